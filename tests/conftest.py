@@ -1,0 +1,40 @@
+"""Shared fixtures: the default recipe and its tiny model (built once per machine, cached under data/)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def cpu_recipe():
+    from workbench import recipe
+
+    return recipe.load("cpu-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(cpu_recipe) -> Path:
+    """The cpu-tiny model, built for real (about 40 s on 2 cores the first time, reused after)."""
+    from workbench import tinymodel
+
+    return tinymodel.ensure(cpu_recipe, log=lambda *_: None)
+
+
+@pytest.fixture
+def workbench_cmd() -> list[str]:
+    """The installed console script when there is one, else `python -m workbench`."""
+    script = VENV_BIN / "workbench"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "workbench"]
+
+
+@pytest.fixture
+def clean_env() -> dict:
+    env = dict(os.environ)
+    env.pop("WORKBENCH_PLATFORM", None)
+    return env

@@ -1,0 +1,60 @@
+import subprocess
+import sys
+
+import pytest
+
+from workbench.cli import STAGES_TODO, build_parser
+
+
+def run(cmd, *args, env=None):
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_console_script_and_module_entry_point(workbench_cmd):
+    for cmd in (workbench_cmd, [sys.executable, "-m", "workbench"]):
+        out = run(cmd, "--help")
+        assert out.returncode == 0
+        for name in ["recipe", "tiny-model", "run", *STAGES_TODO]:
+            assert name in out.stdout
+
+
+@pytest.mark.parametrize("name", ["recipe", "tiny-model", "run", *STAGES_TODO])
+def test_every_subcommand_explains_itself(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([name, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert len(text.split("\n\n", 2)[1]) > 40  # a description paragraph, not just usage
+
+
+def test_recipe_show_ascend_builds_grpo_config(workbench_cmd, clean_env):
+    out = run(workbench_cmd, "recipe", "show", "ascend-910b-8card", "trainer.learning_rate=2e-6", env=clean_env)
+    assert out.returncode == 0, out.stderr
+    assert "served_model_name: policy-7b" in out.stdout
+    assert "learning_rate: 2.0e-06" in out.stdout
+    assert "builds trl.GRPOConfig for platform 'npu'" in out.stdout
+
+
+def test_recipe_list(workbench_cmd):
+    out = run(workbench_cmd, "recipe", "list")
+    assert out.returncode == 0
+    assert [line.split()[0] for line in out.stdout.strip().splitlines()] == ["ascend-910b-8card", "cpu-tiny", "smoke"]
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["recipe", "show", "nope"], "recipe 'nope' does not exist"),
+    (["recipe", "show", "cpu-tiny", "trainer.lr=1"], "unknown recipe key 'trainer.lr'"),
+    (["tiny-model", "--recipe", "cpu-tiny", "model.tiny.pretrain_steps=ten"], "expected int"),
+])
+def test_bad_input_exits_2_with_one_line(workbench_cmd, args, pattern):
+    out = run(workbench_cmd, *args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and pattern in lines[0]
+
+
+def test_run_prints_the_baseline(workbench_cmd, tiny_model_dir):
+    out = run(workbench_cmd, "run", "--recipe", "cpu-tiny")
+    assert out.returncode == 0, out.stderr
+    assert str(tiny_model_dir) in out.stdout
+    assert "baseline held-out exact-match" in out.stdout and "on 300 problems" in out.stdout

@@ -1,0 +1,52 @@
+import pytest
+
+from workbench import rewards
+from workbench.errors import WorkbenchError
+
+
+def chat(text):
+    return [{"role": "assistant", "content": text}]
+
+
+def test_correctness_scores_answer_tag_and_is_separate_from_format():
+    completions = ["47 + 35: 7+5=12, 4+3+1=8. <answer>82</answer>",  # right, well formed
+                   "<answer>81</answer>",  # wrong, well formed
+                   "the answer is 82",  # no answer: wrong, badly formed
+                   "82 <answer>82</answer> and more text"]  # right, badly formed
+    gold = ["82"] * 4
+    assert rewards.score("correctness", completions, answer=gold) == [1.0, 0.0, 0.0, 1.0]
+    assert rewards.score("format", completions) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_chat_completions_and_none_without_gold():
+    assert rewards.score("correctness", [chat("<answer>7</answer>")], answer=["7"]) == [1.0]
+    assert rewards.score("correctness", [chat("<answer>7</answer>")], answer=[None]) == [None]
+    assert rewards.score("correctness", ["<answer>7</answer>"]) == [None]
+
+
+def test_unparseable_gold_cannot_be_scored():
+    assert rewards.score("correctness", ["\\boxed{5}"], answer=["\\frac{"]) == [None]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("so \\boxed{\\frac{3}{4}}.", "\\frac{3}{4}"),
+    ("#### 1,234", "1,234"),
+    ("<answer>1</answer> then <answer>2</answer>", "2"),
+    ("nothing here", None),
+])
+def test_extract_answer(text, expected):
+    assert rewards.extract_answer(text) == expected
+
+
+def test_math_verify_equivalences():
+    assert rewards.answers_match("0.5", "\\frac{1}{2}") is True
+    assert rewards.answers_match("\\frac{1}{2}", "\\frac{2}{4}") is True
+    assert rewards.answers_match("1234", "1,234") is True
+    assert rewards.answers_match("12", "13") is False
+
+
+def test_registry_names_and_unknown_reward():
+    assert rewards.get("correctness").__name__ == "correctness"
+    assert rewards.get("format").__name__ == "format"
+    with pytest.raises(WorkbenchError, match="unknown reward 'corectness'.*correctness"):
+        rewards.get("corectness")

@@ -1,0 +1,90 @@
+import json
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workbench import recipe, tinymodel
+from workbench.errors import WorkbenchError
+
+SMALL = ["model.tiny.pretrain_steps=8", "model.tiny.eval_size=8", "model.tiny.batch_size=8"]
+
+
+def _weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_build_is_deterministic_and_seeded(tmp_path):
+    r = recipe.load("cpu-tiny", SMALL)
+    a = tinymodel.ensure(r, root=tmp_path / "a", log=lambda *_: None)
+    b = tinymodel.ensure(r, root=tmp_path / "b", log=lambda *_: None)
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
+    other = tinymodel.ensure(recipe.load("cpu-tiny", SMALL + ["model.tiny.seed=1"]), root=tmp_path / "a",
+                             log=lambda *_: None)
+    assert other != a
+    assert not torch.equal(_weights(other)["model.embed_tokens.weight"], wa["model.embed_tokens.weight"])
+
+
+def test_same_settings_reuse_the_cache(tmp_path):
+    r = recipe.load("cpu-tiny", SMALL)
+    path = tinymodel.ensure(r, root=tmp_path, log=lambda *_: None)
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    lines = []
+    t0 = time.time()
+    assert tinymodel.ensure(r, root=tmp_path, log=lines.append) == path
+    assert time.time() - t0 < 2
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert "reused" in lines[0]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written build left behind
+
+
+def test_default_tiny_model_follows_format_but_is_often_wrong(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    info = tinymodel.info(tiny_model_dir)
+    held = info["heldout"]
+    assert held["n"] == 300
+    assert 0.20 <= held["accuracy"] <= 0.50, held["accuracy"]
+    assert held["format_rate"] >= 0.9
+    assert 1.0e6 < info["parameters"] < 1.6e6
+    assert info["seconds"]["total"] < 180
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert model.config.model_type == "qwen2" and model.config.tie_word_embeddings
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 34?"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert text == "<|im_start|>user\nWhat is 12 + 34?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|pad|>"
+    # digits are single tokens, so the model can see carries
+    assert tok.tokenize("4567") == ["4", "5", "6", "7"]
+
+
+def test_resolve_model_path_errors(tmp_path, tiny_model_dir, cpu_recipe):
+    assert tinymodel.resolve_model_path(cpu_recipe, build=False) == str(tiny_model_dir)
+    with pytest.raises(WorkbenchError, match="does not exist.*model.path"):
+        tinymodel.resolve_model_path(recipe.load("cpu-tiny", ["model.path=/nowhere/model"]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(WorkbenchError, match="has no config.json"):
+        tinymodel.resolve_model_path(recipe.load("cpu-tiny", [f"model.path={tmp_path / 'empty'}"]))
+    # a hub id is passed through for the loaders to fetch
+    assert tinymodel.resolve_model_path(recipe.load("cpu-tiny", ["model.path=Qwen/Qwen2.5-0.5B"])) == "Qwen/Qwen2.5-0.5B"
+
+
+def test_tokenizer_without_chat_template_is_refused(tmp_path, tiny_model_dir):
+    import shutil
+
+    copy = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir, copy)
+    config_path = copy / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    for extra in copy.glob("chat_template.*"):
+        extra.unlink()
+    tinymodel.check_tokenizer(str(tiny_model_dir))
+    with pytest.raises(WorkbenchError, match="no chat template"):
+        tinymodel.check_tokenizer(str(copy))

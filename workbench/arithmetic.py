@@ -1,0 +1,110 @@
+"""The default task: two-digit addition and subtraction, asked in plain words, answered with a working line.
+
+Every problem is a triple (a, op, b) with 10 <= a, b <= 99 and a >= b for subtraction: 12,195 in all. A seeded
+permutation of that finite set puts the first `heldout_size` triples in the held-out split and the rest in train,
+so the two splits can never share a problem, whatever the phrasing. The phrasing is drawn per problem from the
+same seed.
+
+The target spells the digit-by-digit working before the answer, which is what lets a 1M-parameter model learn it:
+
+    47 + 35: 7+5=12, 4+3+1=8. <answer>82</answer>
+    82 - 35: 12-5=7, 8-1-3=4. <answer>47</answer>
+
+Rows have the columns every workbench dataset has: `prompt` (chat messages), `answer` (gold string), `id`,
+`source`; arithmetic rows also carry `target` (the full worked completion, for pre-training the tiny model).
+
+    python -m workbench.arithmetic          # prints a few rows of each split
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+PHRASINGS = (
+    "What is {a} {op} {b}?",
+    "Tom has {a} apples and {verb} {b}. How many apples does he have now?",
+    "A shelf holds {a} books and {b} books are {moved}. How many books are on the shelf?",
+)
+_VERBS = {"+": ("buys", "added"), "-": ("gives away", "taken off")}
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    op: str
+    b: int
+    phrasing: int
+
+    @property
+    def result(self) -> int:
+        return self.a + self.b if self.op == "+" else self.a - self.b
+
+    @property
+    def question(self) -> str:
+        verb, moved = _VERBS[self.op]
+        return PHRASINGS[self.phrasing].format(a=self.a, op=self.op, b=self.b, verb=verb, moved=moved)
+
+    @property
+    def working(self) -> str:
+        """The digit-by-digit working line, ending with the tagged answer."""
+        a1, a0, b1, b0 = self.a // 10, self.a % 10, self.b // 10, self.b % 10
+        if self.op == "+":
+            units = a0 + b0
+            carry = units // 10
+            tens = a1 + b1 + carry
+            tens_expr = f"{a1}+{b1}+1" if carry else f"{a1}+{b1}"
+            steps = f"{a0}+{b0}={units}, {tens_expr}={tens}"
+        else:
+            borrow = a0 < b0
+            units = a0 + 10 * borrow - b0
+            tens = a1 - borrow - b1
+            units_expr = f"{a0 + 10}-{b0}" if borrow else f"{a0}-{b0}"
+            tens_expr = f"{a1}-1-{b1}" if borrow else f"{a1}-{b1}"
+            steps = f"{units_expr}={units}, {tens_expr}={tens}"
+        return f"{self.a} {self.op} {self.b}: {steps}. <answer>{self.result}</answer>"
+
+    def row(self, split: str) -> dict:
+        return {
+            "prompt": [{"role": "user", "content": self.question}],
+            "answer": str(self.result),
+            "target": self.working,
+            "id": f"arith-{split}-{self.a}{'p' if self.op == '+' else 'm'}{self.b}",
+            "source": "arithmetic",
+        }
+
+
+def all_triples() -> list[tuple[int, str, int]]:
+    triples = [(a, "+", b) for a in range(10, 100) for b in range(10, 100)]
+    triples += [(a, "-", b) for a in range(10, 100) for b in range(10, a + 1)]
+    return triples
+
+
+def splits(seed: int = 0, heldout_size: int = 300) -> tuple[list[Problem], list[Problem]]:
+    """Return (train, heldout) problems; disjoint by construction, identical for the same seed."""
+    triples = all_triples()
+    if not 0 < heldout_size < len(triples):
+        from workbench.errors import WorkbenchError
+
+        raise WorkbenchError(f"heldout_size={heldout_size} is outside 1..{len(triples) - 1}",
+                             "choose a held-out size smaller than the 12,195 possible problems")
+    rng = random.Random(seed)
+    rng.shuffle(triples)
+    problems = [Problem(a, op, b, rng.randrange(len(PHRASINGS))) for a, op, b in triples]
+    return problems[heldout_size:], problems[:heldout_size]
+
+
+def rows(split: str, seed: int = 0, heldout_size: int = 300, limit: int | None = None) -> list[dict]:
+    """Rows of one split ('train' or 'heldout'), in the split's seeded order."""
+    if split not in ("train", "heldout"):
+        from workbench.errors import WorkbenchError
+
+        raise WorkbenchError(f"unknown arithmetic split {split!r}", "use 'train' or 'heldout'")
+    train, heldout = splits(seed, heldout_size)
+    chosen = train if split == "train" else heldout
+    return [p.row(split) for p in chosen[:limit]]
+
+
+if __name__ == "__main__":
+    for split in ("train", "heldout"):
+        for r in rows(split, limit=3):
+            print(split, r["prompt"][0]["content"], "->", r["target"])

@@ -1,0 +1,145 @@
+"""The `workbench` command: one subcommand per stage, each driven by a recipe.
+
+    workbench --help
+    workbench recipe list
+    workbench recipe show cpu-tiny trainer.learning_rate=5e-6
+    workbench tiny-model --recipe cpu-tiny
+    python -m workbench ...            # the same
+
+Overrides are `section.key=value` words after the options; bad input ends with one line naming the cause and
+the fix, and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from workbench.errors import WorkbenchError
+
+STAGES_TODO = {  # name: (issue, one-line help, description)
+    "serve": (3, "start or attach to the recipe's vLLM server",
+              "Start (or attach to) the recipe's vLLM server, check /health and /v1/models, and keep it running."),
+    "train": (3, "GRPO training against the recipe's vLLM server",
+              "Run TRL's GRPOTrainer against the recipe's vLLM server, with weight sync after every step."),
+    "eval": (6, "score a model through the OpenAI-compatible server",
+             "Score a model (base or trained) through the OpenAI-compatible server, repeated and concurrent."),
+    "report": (5, "rebuild a run's self-contained HTML report",
+               "Rebuild the self-contained HTML report of a run directory (also for a crashed run)."),
+    "bench": (3, "compare rollout paths on this machine",
+              "Compare rollout paths (in-process, colocated, server) on this machine, as ratios from one run."),
+    "env": (7, "check platform, version chain, Ascend setup, collectives",
+            "Check the platform, the version chain, the Ascend environment and a collective self-test."),
+}
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", "-r", default="cpu-tiny",
+                   help="recipe name (see `workbench recipe list`) or path of a YAML file (default: cpu-tiny)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="override recipe values, e.g. trainer.learning_rate=5e-6 server.port=8011")
+
+
+def cmd_recipe(args: argparse.Namespace) -> int:
+    from workbench import recipe
+
+    if args.action == "list":
+        for name in recipe.available():
+            r = recipe.load(name)
+            print(f"{name:22s} {r.description}")
+        return 0
+    if not args.name:
+        raise WorkbenchError("`workbench recipe show` needs a recipe name", f"use one of: {', '.join(recipe.available())}")
+    r = recipe.load(args.name, args.overrides)
+    print(r.to_yaml(), end="")
+    platform = recipe.resolve_platform(r)
+    config = recipe.grpo_config(r, output_dir=f"{r.monitor.runs_dir}/<run-id>", platform=platform)
+    print(f"# trainer section builds trl.GRPOConfig for platform {platform!r}: "
+          f"{config.per_device_train_batch_size} completions/device/step, {config.num_generations} generations, "
+          f"lr {config.learning_rate:g}, beta {config.beta:g}, use_vllm={config.use_vllm}")
+    return 0
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from workbench import recipe, tinymodel
+
+    r = recipe.load(args.recipe, args.overrides)
+    path = tinymodel.ensure(r, force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Today: the stages that exist. The staged notebooks take this over (issue 5)."""
+    from workbench import recipe, tinymodel
+
+    r = recipe.load(args.recipe, args.overrides)
+    if r.model.path == "tiny":
+        path = tinymodel.ensure(r)
+        held = tinymodel.info(path)["heldout"]
+        print(f"baseline: tiny model at {path}")
+        print(f"baseline held-out exact-match {held['accuracy']:.1%} on {held['n']} problems "
+              f"(format followed {held['format_rate']:.1%})")
+    else:
+        print(f"model: {tinymodel.resolve_model_path(r)}")
+    return 0
+
+
+def _todo(name: str) -> Callable[[argparse.Namespace], int]:
+    issue = STAGES_TODO[name][0]
+
+    def run(args: argparse.Namespace) -> int:
+        raise WorkbenchError(f"`workbench {name}` is not built yet (issue {issue})",
+                             "use the stages that exist: `workbench recipe`, `workbench tiny-model`, `workbench run`")
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="workbench",
+        description="GRPO Workbench: vLLM samples, TRL trains, one recipe drives every stage.",
+        epilog="Every subcommand takes --recipe NAME and section.key=value overrides; `workbench SUBCOMMAND --help`.")
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+
+    p = sub.add_parser("recipe", help="list recipes or print one, resolved, with overrides applied",
+                       description="List the shipped recipes, or print one resolved (extends and overrides applied) "
+                                   "and check that its trainer section builds a real trl.GRPOConfig.")
+    p.add_argument("action", choices=["list", "show"])
+    p.add_argument("name", nargs="?", help="recipe name or YAML path (for show)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.set_defaults(func=cmd_recipe)
+
+    p = sub.add_parser("tiny-model", help="build (or reuse) the tiny arithmetic model and print its accuracy",
+                       description="Build a byte-level BPE tokenizer and a ~1.3M-parameter Qwen2 model from scratch, "
+                                   "pre-train it briefly on synthetic arithmetic (seeded, about a minute on 2 cores), "
+                                   "and save it under data/tiny-model/. Same settings: the cached model is reused.")
+    _add_recipe_args(p)
+    p.add_argument("--force", action="store_true", help="rebuild even when a cached model matches")
+    p.set_defaults(func=cmd_tiny_model)
+
+    p = sub.add_parser("run", help="run the recipe's stages in order (today: build the model, baseline accuracy)",
+                       description="Run the stages of a recipe in order. For now this builds or reuses the policy "
+                                   "model and prints its baseline held-out accuracy; the staged notebooks extend it.")
+    _add_recipe_args(p)
+    p.set_defaults(func=cmd_run)
+
+    for name, (issue, short, text) in STAGES_TODO.items():
+        p = sub.add_parser(name, help=f"{short} (not built yet: issue {issue})",
+                           description=f"{text} Not built yet: issue {issue}.")
+        _add_recipe_args(p)
+        p.set_defaults(func=_todo(name))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except WorkbenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
