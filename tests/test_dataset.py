@@ -389,3 +389,22 @@ def test_correctness_scores_a_comma_number_against_gsm8k_gold(tmp_path):
     scores = rewards.score("correctness", ["<answer>1,234</answer>", "<answer>1,243</answer>"],
                            answer=[row["answer"]] * 2)
     assert scores == [1.0, 0.0]
+
+
+def test_recipe_rows_use_the_data_section_and_check_prompt_length(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from workbench import recipe
+    from workbench.dataset import max_prompt_tokens, recipe_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    smoke = recipe.load("smoke")
+    rows = recipe_rows(smoke, tokenizer=tokenizer)
+    assert len(rows) == 16 and rows[0]["source"] == "arithmetic"
+    heldout = recipe_rows(smoke, split="heldout")
+    assert len(heldout) == 300
+    longest = max_prompt_tokens(heldout + rows, tokenizer)
+    assert 10 < longest <= smoke.data.max_prompt_length
+    tight = recipe.load("smoke", [f"data.max_prompt_length={longest - 1}"])
+    with pytest.raises(WorkbenchError, match=f"prompt is {longest} tokens.*raise data.max_prompt_length to {longest}"):
+        recipe_rows(tight, split="heldout", tokenizer=tokenizer)

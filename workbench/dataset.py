@@ -135,6 +135,27 @@ def load_rows(
     return rows
 
 
+def recipe_rows(recipe, split: str | None = None, tokenizer=None, limit: int | None = None) -> list[dict]:
+    """The rows a recipe's data section names; with a tokenizer, prompts longer than data.max_prompt_length are an error.
+
+    `split` defaults to data.split (training), whose rows are cut to data.train_size.
+    """
+    data = recipe.data
+    split = split or data.split
+    if limit is None and split == data.split:
+        limit = data.train_size
+    rows = load_rows(data.name, split, path=data.path, fields=data.fields, limit=limit, seed=data.seed,
+                     system_prompt=data.system_prompt, instruction=data.instruction, heldout_size=data.heldout_size)
+    if tokenizer is not None:
+        longest = max_prompt_tokens(rows, tokenizer)
+        if longest > data.max_prompt_length:
+            raise WorkbenchError(
+                f"the longest {data.name} {split} prompt is {longest} tokens, over data.max_prompt_length="
+                f"{data.max_prompt_length}",
+                f"raise data.max_prompt_length to {longest} (and server.max_model_len with it), or use shorter prompts")
+    return rows
+
+
 def to_hf_dataset(rows: list[dict]) -> datasets.Dataset:
     """Rows as a datasets.Dataset, the form TRL's GRPOTrainer takes."""
     import datasets
