@@ -1,0 +1,205 @@
+"""GRPO through the vLLM server: TRL's GRPOTrainer, with the workbench's weight sync and a run directory.
+
+    workbench train --recipe smoke                 # starts the server, trains, saves, stops the server
+    workbench train --recipe cpu-tiny trainer.max_steps=50
+
+    from workbench import trainer
+    result = trainer.train(recipe.load("smoke"))   # -> TrainResult(run_dir, final_model, ...)
+
+How the sync plugs in (TRL 1.16 has no extension point for it): `GRPOTrainer.__init__` builds its vLLM backend,
+and with it TRL's client, whose NCCL-only `init_communicator` fails on CPU and Ascend. `WorkbenchGRPOTrainer`
+lets the parent constructor run without vLLM, then builds TRL's backend itself as `_SyncingVLLMGeneration`, whose
+only change is the client class (`workbench.sync.SyncingVLLMClient`). Everything else — when to sync, how
+parameters are gathered, generation, importance-sampling correction — is TRL's. tests/test_trl_hooks.py fails
+when the TRL internals this relies on change.
+
+On the CPU the server is pinned to devices.server cores and this process to devices.trainer cores: the CPU
+analogue of "four cards serve, four cards train".
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trl import GRPOConfig, GRPOTrainer
+from trl.generation.vllm_generation import VLLMGeneration
+from transformers import TrainerCallback
+
+from workbench import dataset, rewards, server, sync, tinymodel
+from workbench.errors import WorkbenchError
+from workbench.recipe import Recipe, grpo_config, resolve_platform
+
+
+class _SyncingVLLMGeneration(VLLMGeneration):
+    """TRL's vLLM backend with the workbench client in server mode."""
+
+    def __init__(self, *args, weight_sync: sync.WeightSync, api_key: str | None = None, **kwargs):
+        self.weight_sync = weight_sync
+        self.api_key = api_key
+        super().__init__(*args, **kwargs)
+
+    def _init_vllm(self) -> None:
+        if self.mode != "server":
+            return super()._init_vllm()
+        if self.accelerator.is_main_process:
+            base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+            self.vllm_client = sync.SyncingVLLMClient(
+                base_url=base_url, group_port=self.group_port, connection_timeout=self.server_timeout,
+                weight_sync=self.weight_sync, api_key=self.api_key)
+            self.vllm_client.init_communicator(device=self.accelerator.device)
+        self.accelerator.wait_for_everyone()
+
+
+def vllm_generation_kwargs(trainer: GRPOTrainer, args: GRPOConfig) -> dict:
+    """The arguments GRPOTrainer.__init__ gives VLLMGeneration in TRL 1.16 (guarded by tests/test_trl_hooks.py)."""
+    return dict(
+        model=trainer.model, accelerator=trainer.accelerator, processing_class=trainer.processing_class,
+        mode=args.vllm_mode, structured_outputs_regex=args.vllm_structured_outputs_regex,
+        server_base_url=args.vllm_server_base_url, server_host=args.vllm_server_host,
+        server_port=args.vllm_server_port, group_port=args.vllm_group_port, server_timeout=args.vllm_server_timeout,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_length=args.vllm_max_model_length,
+        max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
+        enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
+        trust_remote_code=args.trust_remote_code, repetition_penalty=trainer.repetition_penalty,
+        temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k, min_p=trainer.min_p,
+        max_completion_length=trainer.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs,
+    )
+
+
+class WorkbenchGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose server-mode weight sync goes through a `workbench.sync.WeightSync` adapter."""
+
+    def __init__(self, *args, weight_sync: sync.WeightSync, api_key: str | None = None, **kwargs):
+        training_args: GRPOConfig = kwargs["args"]
+        wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
+        self.weight_sync = weight_sync
+        if wants_server:
+            training_args.use_vllm = False  # read once, in GRPOTrainer.__init__: skip TRL's NCCL-only client
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            training_args.use_vllm = wants_server or training_args.use_vllm
+        if wants_server:
+            self.use_vllm = True
+            self.vllm_generation = _SyncingVLLMGeneration(
+                **vllm_generation_kwargs(self, training_args), weight_sync=weight_sync, api_key=api_key)
+            self._last_loaded_step = -1
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        pushes = self.weight_sync.drain()
+        if pushes and "loss" in logs:
+            logs["sync/seconds"] = sum(s for s, _ in pushes) / len(pushes)
+            logs["sync/megabytes"] = sum(b for _, b in pushes) / len(pushes) / 1e6
+            logs["sync/count"] = float(len(pushes))
+        elif pushes:  # not a training log line: keep the pushes for the next one
+            self.weight_sync.records = pushes + self.weight_sync.records
+        super().log(logs, start_time)
+
+
+class JsonlMetrics(TrainerCallback):
+    """Every log line appended to metrics.jsonl and flushed at once: a killed run keeps all it logged."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        record = {"step": state.global_step, "time": time.time(), **logs}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    final_model: Path
+    metrics_path: Path
+    server_start_seconds: float | None
+    train_seconds: float
+    steps: int
+
+
+def new_run_dir(recipe: Recipe, kind: str = "train") -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(recipe.monitor.runs_dir) / f"{stamp}-{recipe.name}-{kind}"
+    suffix = 1
+    while run_dir.exists():
+        suffix += 1
+        run_dir = Path(recipe.monitor.runs_dir) / f"{stamp}-{recipe.name}-{kind}-{suffix}"
+    run_dir.mkdir(parents=True)
+    (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    return run_dir
+
+
+def _pin_trainer_to_cores(recipe: Recipe, platform: str) -> None:
+    if platform != "cpu":
+        return
+    import torch
+
+    cores = set(recipe.devices.trainer)
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+
+
+def build_trainer(recipe: Recipe, model_path: str, output_dir: Path, weight_sync: sync.WeightSync,
+                  platform: str | None = None) -> WorkbenchGRPOTrainer:
+    """A ready trainer for the recipe (the server must already answer at the recipe's URL)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    platform = platform or resolve_platform(recipe)
+    args = grpo_config(recipe, str(output_dir), platform)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"
+    rows = dataset.recipe_rows(recipe, tokenizer=tokenizer)
+    dtype = "auto" if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    return WorkbenchGRPOTrainer(
+        model=model, args=args, processing_class=tokenizer, train_dataset=dataset.to_hf_dataset(rows),
+        reward_funcs=[rewards.get(name) for name in recipe.rewards],
+        weight_sync=weight_sync, api_key=server.api_key(recipe))
+
+
+def train(recipe: Recipe, run_dir: Path | None = None, log=print) -> TrainResult:
+    """Start (or attach to) the server, run GRPO, save the final model in Hugging Face format, stop the server."""
+    platform = resolve_platform(recipe)
+    if recipe.server.mode == "off":
+        raise WorkbenchError("server.mode is 'off'", "`workbench train` trains through a vLLM server: set it to managed or attach")
+    model_path = tinymodel.resolve_model_path(recipe, log=log)
+    tinymodel.check_tokenizer(model_path)
+    run_dir = run_dir or new_run_dir(recipe)
+    method = server.weight_sync_method(recipe, platform)
+    weight_sync = sync.make(method, recipe.server.sync_dir, recipe.trainer.get("vllm_group_port", 51216))
+    metrics_path = run_dir / "metrics.jsonl"
+    with server.VLLMServer(recipe, model_path, run_dir) as srv:
+        log(f"server: {srv.url} serving {recipe.server.served_model_name!r}"
+            + (f", started in {srv.startup_seconds:.0f}s" if srv.startup_seconds else " (attached)"))
+        _pin_trainer_to_cores(recipe, platform)
+        trainer = build_trainer(recipe, model_path, run_dir / "checkpoints", weight_sync, platform)
+        trainer.add_callback(JsonlMetrics(metrics_path))
+        log(f"training: {trainer.args.max_steps} steps, weight sync {method!r}, metrics -> {metrics_path}")
+        started = time.time()
+        trainer.train()
+        train_seconds = time.time() - started
+        final = run_dir / "final"
+        trainer.save_model(str(final))
+        trainer.processing_class.save_pretrained(str(final))
+        try:
+            (run_dir / "server_metrics.prom").write_text(srv.metrics())
+        except Exception as exc:  # the run is saved; a missing snapshot only costs the rollout summary
+            log(f"warning: could not read the server's /metrics ({exc})")
+        result = TrainResult(run_dir, final, metrics_path, srv.startup_seconds, train_seconds,
+                             trainer.state.global_step)
+    summary = {"steps": result.steps, "train_seconds": round(train_seconds, 2),
+               "server_start_seconds": srv.startup_seconds, "weight_sync": method, "platform": platform,
+               "final_model": str(final)}
+    (run_dir / "train.json").write_text(json.dumps(summary, indent=2))
+    log(f"done: {result.steps} steps in {train_seconds:.0f}s; final model {final}")
+    return result
