@@ -38,3 +38,31 @@ def clean_env() -> dict:
     env = dict(os.environ)
     env.pop("WORKBENCH_PLATFORM", None)
     return env
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server_recipe(tmp_path_factory):
+    """cpu-tiny on a free port, runs under a temporary directory."""
+    from workbench import recipe
+
+    runs = tmp_path_factory.mktemp("runs")
+    return recipe.load("cpu-tiny", [f"server.port={free_port()}", f"monitor.runs_dir={runs}"])
+
+
+@pytest.fixture(scope="session")
+def tiny_server(server_recipe, tiny_model_dir, tmp_path_factory):
+    """One real vLLM server (CPU build, tiny model) shared by the tests that only talk to it."""
+    from workbench.server import VLLMServer
+
+    srv = VLLMServer(server_recipe, str(tiny_model_dir), tmp_path_factory.mktemp("server"), quiet=True)
+    srv.start()
+    yield srv
+    srv.stop()

@@ -18,15 +18,11 @@ from typing import Callable
 from workbench.errors import WorkbenchError
 
 STAGES_TODO = {  # name: (issue, one-line help, description)
-    "serve": (3, "start or attach to the recipe's vLLM server",
-              "Start (or attach to) the recipe's vLLM server, check /health and /v1/models, and keep it running."),
-    "train": (3, "GRPO training against the recipe's vLLM server",
-              "Run TRL's GRPOTrainer against the recipe's vLLM server, with weight sync after every step."),
     "eval": (6, "score a model through the OpenAI-compatible server",
              "Score a model (base or trained) through the OpenAI-compatible server, repeated and concurrent."),
     "report": (5, "rebuild a run's self-contained HTML report",
                "Rebuild the self-contained HTML report of a run directory (also for a crashed run)."),
-    "bench": (3, "compare rollout paths on this machine",
+    "bench": (None, "compare rollout paths on this machine",
               "Compare rollout paths (in-process, colocated, server) on this machine, as ratios from one run."),
     "env": (7, "check platform, version chain, Ascend setup, collectives",
             "Check the platform, the version chain, the Ascend environment and a collective self-test."),
@@ -85,12 +81,40 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from workbench import recipe, server, tinymodel
+    from workbench.rundir import new_run_dir
+
+    r = recipe.load(args.recipe, args.overrides)
+    if r.server.mode == "attach":
+        entry = server.VLLMServer(r).start().model_entry
+        print(f"attached: {server.server_url(r)} serves {r.server.served_model_name!r} "
+              f"(max_model_len {entry['max_model_len']})")
+        return 0
+    model_path = args.model or tinymodel.resolve_model_path(r)
+    if args.print_command:
+        print(" ".join(server.launch_command(r, model_path)))
+        return 0
+    server.serve_forever(r, model_path, new_run_dir(r, "serve"))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from workbench import recipe, trainer
+
+    r = recipe.load(args.recipe, args.overrides)
+    result = trainer.train(r)
+    print(f"run directory: {result.run_dir}")
+    return 0
+
+
 def _todo(name: str) -> Callable[[argparse.Namespace], int]:
     issue = STAGES_TODO[name][0]
+    which = f"issue {issue}" if issue else "planned"
 
     def run(args: argparse.Namespace) -> int:
-        raise WorkbenchError(f"`workbench {name}` is not built yet (issue {issue})",
-                             "use the stages that exist: `workbench recipe`, `workbench tiny-model`, `workbench run`")
+        raise WorkbenchError(f"`workbench {name}` is not built yet ({which})",
+                             "use the stages that exist: recipe, tiny-model, serve, train, run")
 
     return run
 
@@ -124,9 +148,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(p)
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("serve", help="start (or check) the recipe's vLLM server and keep it running",
+                       description="Start the recipe's vLLM server (vllm serve on CUDA/Ascend, the workbench's "
+                                   "launcher on the CPU build) with its served name, lengths, parallel sizes and "
+                                   "device split; wait for /health, verify /v1/models, and hold until Ctrl-C, which "
+                                   "stops the whole process group. With server.mode=attach, check a running server.")
+    _add_recipe_args(p)
+    p.add_argument("--model", help="model directory to serve (default: the recipe's model)")
+    p.add_argument("--print-command", action="store_true", help="print the launch command and exit")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("train", help="GRPO training through the recipe's vLLM server",
+                       description="Start (or attach to) the recipe's vLLM server, run TRL's GRPOTrainer against it "
+                                   "with the recipe's data and rewards, sync the weights after every optimizer step "
+                                   "(server.weight_sync), and save checkpoints and the final model (Hugging Face "
+                                   "format) in a new run directory under monitor.runs_dir.")
+    _add_recipe_args(p)
+    p.set_defaults(func=cmd_train)
+
     for name, (issue, short, text) in STAGES_TODO.items():
-        p = sub.add_parser(name, help=f"{short} (not built yet: issue {issue})",
-                           description=f"{text} Not built yet: issue {issue}.")
+        which = f"issue {issue}" if issue else "planned"
+        p = sub.add_parser(name, help=f"{short} (not built yet: {which})",
+                           description=f"{text} Not built yet: {which}.")
         _add_recipe_args(p)
         p.set_defaults(func=_todo(name))
     return parser

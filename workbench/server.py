@@ -214,6 +214,17 @@ def verify(recipe: Recipe, url: str, key: str | None = None) -> dict:
     return entry
 
 
+def sequence_logprobs(url: str, model: str, token_ids: list[int], key: str | None = None) -> list[float]:
+    """The server's log-probability of each token of `token_ids` after the first (teacher forcing, temperature 1)."""
+    body = {"model": model, "prompt": [token_ids], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+    response = requests.post(f"{url}/v1/completions", json=body, headers=_headers(key), timeout=60)
+    if response.status_code != 200:
+        raise WorkbenchError(f"prompt_logprobs request failed with HTTP {response.status_code}: {response.text[:200]}",
+                             "check the server log")
+    positions = response.json()["choices"][0]["prompt_logprobs"][1:]
+    return [float(pos[str(tok)]["logprob"]) for pos, tok in zip(positions, token_ids[1:])]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The managed server
 

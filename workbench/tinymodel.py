@@ -260,7 +260,7 @@ def resolve_model_path(recipe: Recipe, build: bool = True, log=print) -> str:
         if not (path / "config.json").is_file():
             raise WorkbenchError(f"model.path {path} has no config.json",
                                  "point model.path at a Hugging Face model directory (config.json, weights, tokenizer)")
-        return str(path)
+        return str(path.resolve())
     looks_like_hub_id = recipe.model.path.count("/") == 1 and not recipe.model.path.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise WorkbenchError(f"model.path {recipe.model.path} does not exist",

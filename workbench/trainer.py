@@ -29,6 +29,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from transformers import TrainerCallback
 
 from workbench import dataset, rewards, server, sync, tinymodel
+from workbench.rundir import new_run_dir
 from workbench.errors import WorkbenchError
 from workbench.recipe import Recipe, grpo_config, resolve_platform
 
@@ -124,18 +125,6 @@ class TrainResult:
     server_start_seconds: float | None
     train_seconds: float
     steps: int
-
-
-def new_run_dir(recipe: Recipe, kind: str = "train") -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(recipe.monitor.runs_dir) / f"{stamp}-{recipe.name}-{kind}"
-    suffix = 1
-    while run_dir.exists():
-        suffix += 1
-        run_dir = Path(recipe.monitor.runs_dir) / f"{stamp}-{recipe.name}-{kind}-{suffix}"
-    run_dir.mkdir(parents=True)
-    (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
-    return run_dir
 
 
 def _pin_trainer_to_cores(recipe: Recipe, platform: str) -> None:
