@@ -103,3 +103,13 @@ def test_invalid_yaml_file(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(WorkbenchError, match="not valid YAML"):
         recipe.load(str(bad))
+
+
+def test_yes_no_stay_strings_true_false_are_booleans(tmp_path):
+    r = recipe.load("cpu-tiny", ["trainer.save_strategy=no", "server.enforce_eager=true"])
+    assert r.trainer["save_strategy"] == "no" and r.server.enforce_eager is True
+    path = tmp_path / "r.yaml"
+    path.write_text("extends: smoke\ntrainer:\n  save_strategy: no\n  bf16: false\n")
+    loaded = recipe.load(str(path))
+    assert loaded.trainer["save_strategy"] == "no" and loaded.trainer["bf16"] is False
+    assert recipe.grpo_config(loaded, str(tmp_path), platform="cpu").save_strategy == "no"

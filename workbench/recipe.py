@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import dataclasses
 import difflib
 import sys
@@ -29,6 +30,22 @@ import yaml
 from workbench.errors import WorkbenchError
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true/false. PyYAML's 1.1 rules read `save_strategy: no` as False."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)
 SECTIONS = ("model", "data", "server", "trainer", "rewards", "devices", "monitor", "eval")
 
 
@@ -166,7 +183,7 @@ def _read_yaml(source: str) -> tuple[dict, str]:
         raise WorkbenchError(f"recipe {source!r} does not exist",
                              f"use one of: {', '.join(available())}, or the path of a YAML file")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise WorkbenchError(f"recipe {path} is not valid YAML ({exc.__class__.__name__}: {exc})".replace("\n", " "),
                              "fix the YAML syntax at the line named") from None
@@ -202,7 +219,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not parts:
         raise WorkbenchError(f"override {text!r} names no key", "write overrides as section.key=value")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = yaml_load(value) if value.strip() else None
     except yaml.YAMLError:
         parsed = value
     # YAML reads '5e-6' as a string (no dot in the mantissa); users mean a number.

@@ -84,6 +84,8 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             super().__init__(*args, **kwargs)
         finally:
             training_args.use_vllm = wants_server or training_args.use_vllm
+        if isinstance(weight_sync, sync.ReloadSync):
+            weight_sync.aliases.update(sync.tied_aliases(self.accelerator.unwrap_model(self.model)))
         if wants_server:
             self.use_vllm = True
             self.vllm_generation = _SyncingVLLMGeneration(

@@ -1,0 +1,180 @@
+"""Weight sync, for real on the CPU (reload, none) and against a recording fake of vllm-ascend's engine (hccl)."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import free_port
+from workbench import recipe, server, sync
+from workbench.trainer import JsonlMetrics, build_trainer
+
+
+def _trainer(server_recipe, tiny_model_dir, tmp_path, weight_sync, **overrides):
+    r = recipe.load(server_recipe, {"trainer.learning_rate": 3e-3, "trainer.logging_steps": 1,
+                                    "trainer.save_strategy": "no", "trainer.log_completions": False, **overrides})
+    trainer = build_trainer(r, str(tiny_model_dir), tmp_path / "out", weight_sync, platform="cpu")
+    trainer.add_callback(JsonlMetrics(tmp_path / "metrics.jsonl"))
+    return trainer
+
+
+def _fixed_sequence(trainer) -> list[int]:
+    tok = trainer.processing_class
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 47 + 35?"}], add_generation_prompt=True,
+                                     tokenize=False)
+    return tok(prompt + "47 + 35: 7+5=12, 4+3+1=8. <answer>82</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+
+
+def _model_logprobs(model, ids) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def _mean_abs(a, b) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+
+def _reset_server_weights(tiny_server, tiny_model_dir):
+    """Push the base model's weights, as a fresh trainer's first sync would."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    client = sync.SyncingVLLMClient(base_url=tiny_server.url,
+                                    weight_sync=sync.ReloadSync(aliases=sync.tied_aliases(model)))
+    client.init_communicator()
+    client.update_named_params([], iter(model.named_parameters()))
+    client.reset_prefix_cache()
+
+
+def test_reload_sync_puts_the_trained_weights_on_the_server(tiny_server, server_recipe, tiny_model_dir, tmp_path):
+    trainer = _trainer(server_recipe, tiny_model_dir, tmp_path, sync.ReloadSync(tmp_path / "sync"),
+                       **{"trainer.max_steps": 1})
+    ids = _fixed_sequence(trainer)
+    before = _model_logprobs(trainer.model, ids)
+    params_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(p, params_before[n]) for n, p in trainer.model.named_parameters())
+    trainer.vllm_generation.sync_weights()  # the push TRL makes before the next generation
+    after = _model_logprobs(trainer.model, ids)
+    served = server.sequence_logprobs(tiny_server.url, "tiny-policy", ids)
+    assert _mean_abs(served, after) < 0.05, "server does not hold the trainer's weights"
+    assert _mean_abs(served, before) > 0.1, "the step did not move the weights enough to tell"
+    assert _mean_abs(before, after) > 0.1
+    # every push was timed and sized: 1.27M float32 parameters (tied embeddings sent once)
+    assert trainer.weight_sync.records or json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["sync/count"] >= 1
+    assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["model.safetensors"]
+    assert trainer.weight_sync.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def _logp_difference(path) -> list[float]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r["sampling/sampling_logp_difference/mean"] for r in rows if "sampling/sampling_logp_difference/mean" in r]
+
+
+def test_without_sync_rollouts_drift_off_policy(tiny_server, server_recipe, tiny_model_dir, tmp_path):
+    steps = {"trainer.max_steps": 6, "trainer.learning_rate": 1e-3}
+    _reset_server_weights(tiny_server, tiny_model_dir)
+    with pytest.warns(UserWarning, match="off-policy"):
+        off = _trainer(server_recipe, tiny_model_dir, tmp_path / "none", sync.NoSync(), **steps)
+    off.train()
+    on = _trainer(server_recipe, tiny_model_dir, tmp_path / "reload", sync.ReloadSync(), **steps)
+    on.train()
+    drift, kept = _logp_difference(tmp_path / "none" / "metrics.jsonl"), _logp_difference(tmp_path / "reload" / "metrics.jsonl")
+    assert len(drift) == len(kept) == 6
+    assert max(kept) < 0.01, kept
+    assert drift[0] < 0.01  # step 1: the server still has the initial weights, which are the trainer's
+    # from step 2 on the trainer has moved and the server has not: every step is off-policy
+    assert min(drift[1:]) > 0.02 and min(drift[1:]) > 100 * max(kept), drift
+
+
+class FakeHcclEngine:
+    """Records what the trainer asks of vllm-ascend's HCCLWeightTransferEngine (static trainer API, as in
+    vllm_ascend/distributed/weight_transfer/hccl_engine.py: trainer_init(init_info) -> communicator,
+    trainer_send_weights(iterator, trainer_args))."""
+
+    # Fields of HCCLWeightTransferInitInfo / HCCLWeightTransferUpdateInfo / HCCLTrainerSendWeightsArgs upstream.
+    INIT_FIELDS = {"master_address", "master_port", "rank_offset", "world_size"}
+    UPDATE_FIELDS = {"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+    SEND_FIELDS = {"group", "src", "post_iter_func", "packed", "stream", "packed_buffer_size_bytes", "packed_num_buffers"}
+
+    calls: list = []
+
+    @classmethod
+    def trainer_init(cls, init_info):
+        assert set(init_info) <= cls.INIT_FIELDS
+        cls.calls.append(("trainer_init", dict(init_info)))
+        return "hccl-group"
+
+    @classmethod
+    def trainer_send_weights(cls, iterator, trainer_args):
+        assert set(trainer_args) <= cls.SEND_FIELDS and trainer_args["group"] == "hccl-group"
+        cls.calls.append(("send", [(name, tuple(t.shape)) for name, t in iterator], trainer_args["packed"]))
+
+
+class RecordingClient:
+    base_url = "http://127.0.0.1:1"
+
+    def __init__(self):
+        self.posts = []
+
+    def _post(self, url, **kwargs):
+        self.posts.append((url.rsplit("/", 1)[1], kwargs.get("json")))
+        return {}
+
+    def get_server_info(self):
+        return {"weight_transfer_config": {"backend": "hccl"}}
+
+    def get_world_size(self):
+        return 4
+
+
+def test_hccl_adapter_drives_the_engine_like_trl_drives_nccl():
+    FakeHcclEngine.calls = []
+    adapter = sync.HcclSync(group_port=51216, engine=FakeHcclEngine, master_address="10.0.0.1")
+    client = RecordingClient()
+    adapter.connect(client, torch.device("cpu"))
+    assert client.posts == [("init_weight_transfer_engine", {"init_info": {
+        "master_address": "10.0.0.1", "master_port": 51216, "rank_offset": 1, "world_size": 5}})]
+    assert FakeHcclEngine.calls[0] == ("trainer_init", client.posts[0][1]["init_info"])
+    model = torch.nn.Linear(3, 2)
+    metadata = [(n, str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in model.named_parameters()]
+    adapter.push(client, metadata, iter(model.named_parameters()))
+    assert [name for name, _ in client.posts[1:]] == ["start_weight_update", "update_weights", "finish_weight_update"]
+    update = client.posts[2][1]["update_info"]
+    assert set(update) <= FakeHcclEngine.UPDATE_FIELDS
+    assert update == {"names": ["weight", "bias"], "dtype_names": ["float32", "float32"], "shapes": [[2, 3], [2]],
+                      "packed": True}
+    assert FakeHcclEngine.calls[1] == ("send", [("weight", (2, 3)), ("bias", (2,))], True)
+    seconds, moved = adapter.records[-1]
+    assert moved == 8 * 4 and seconds >= 0
+
+
+def test_hccl_without_vllm_ascend_says_what_to_install():
+    with pytest.raises(Exception, match="needs vllm-ascend.*ascend extra.*weight_sync=reload"):
+        sync.HcclSync().connect(RecordingClient(), "cpu")
+
+
+def test_smoke_run_through_the_server(tmp_path, workbench_cmd, tiny_model_dir):
+    port = free_port()
+    out = subprocess.run([*workbench_cmd, "train", "--recipe", "smoke", f"server.port={port}",
+                          f"monitor.runs_dir={tmp_path}"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.endswith("-smoke-train")]
+    logs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in logs if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and "reward" in r and "kl" in r for r in steps)
+    assert all(r["sync/count"] >= 1 and r["sync/seconds"] > 0 for r in steps)
+    prom = (run_dir / "server_metrics.prom").read_text()
+    served = sum(float(line.rsplit(" ", 1)[1]) for line in prom.splitlines()
+                 if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' not in line)
+    assert served >= 3  # one prompt x 2 generations per step, 3 steps
+    assert (run_dir / "final" / "model.safetensors").exists() and (run_dir / "final" / "tokenizer.json").exists()
+    assert (run_dir / "checkpoints" / "checkpoint-3").is_dir()
+    summary = json.loads((run_dir / "train.json").read_text())
+    assert summary["steps"] == 3 and summary["weight_sync"] == "reload"
+    import psutil
+    assert not [p for p in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(p.info["cmdline"] or [])]
