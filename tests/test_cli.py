@@ -14,11 +14,11 @@ def test_console_script_and_module_entry_point(workbench_cmd):
     for cmd in (workbench_cmd, [sys.executable, "-m", "workbench"]):
         out = run(cmd, "--help")
         assert out.returncode == 0
-        for name in ["recipe", "tiny-model", "run", *STAGES_TODO]:
+        for name in ["recipe", "tiny-model", "run", "serve", "train", "env", *STAGES_TODO]:
             assert name in out.stdout
 
 
-@pytest.mark.parametrize("name", ["recipe", "tiny-model", "run", *STAGES_TODO])
+@pytest.mark.parametrize("name", ["recipe", "tiny-model", "run", "serve", "train", "env", *STAGES_TODO])
 def test_every_subcommand_explains_itself(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([name, "--help"])

@@ -24,8 +24,6 @@ STAGES_TODO = {  # name: (issue, one-line help, description)
                "Rebuild the self-contained HTML report of a run directory (also for a crashed run)."),
     "bench": (None, "compare rollout paths on this machine",
               "Compare rollout paths (in-process, colocated, server) on this machine, as ratios from one run."),
-    "env": (7, "check platform, version chain, Ascend setup, collectives",
-            "Check the platform, the version chain, the Ascend environment and a collective self-test."),
 }
 
 
@@ -108,6 +106,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from workbench import env, recipe
+    from workbench.rundir import new_run_dir
+
+    r = recipe.load(args.recipe, args.overrides)
+    report = env.check(r, collective=not args.no_collective)
+    print(report.to_text())
+    path = report.save(new_run_dir(r, "env") / "env.json")
+    print(f"saved: {path}")
+    return 0 if report.ok else 1
+
+
 def _todo(name: str) -> Callable[[argparse.Namespace], int]:
     issue = STAGES_TODO[name][0]
     which = f"issue {issue}" if issue else "planned"
@@ -165,6 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    "format) in a new run directory under monitor.runs_dir.")
     _add_recipe_args(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("env", help="check platform, version chain, Ascend setup, collectives, resources",
+                       description="Check, with a fix for each finding: the platform and the recipe's device split; "
+                                   "installed torch/torch_npu/vLLM/TRL/transformers against the Ascend compatibility "
+                                   "matrix (closest row, what to change) and TRL's vLLM window; pip check; on Ascend "
+                                   "CANN loaded, npu-smi devices and HCCL settings; an all-reduce self-test across "
+                                   "processes (gloo/nccl/hccl); disk, memory and the CPU server's KV cache. Prints a "
+                                   "table and saves env.json in a new run directory; exit 1 if a check failed.")
+    _add_recipe_args(p)
+    p.add_argument("--no-collective", action="store_true", help="skip the all-reduce self-test")
+    p.set_defaults(func=cmd_env)
 
     for name, (issue, short, text) in STAGES_TODO.items():
         which = f"issue {issue}" if issue else "planned"

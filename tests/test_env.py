@@ -1,0 +1,145 @@
+"""The environment check: for real on this CPU machine, and on fake Ascend hosts (fake npu-smi, CANN files)."""
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from workbench import env, recipe
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "npu-smi"
+GOOD_ROW = {"python": "3.11.7", "torch": "2.10.0", "torch_npu": "2.10.0.post4", "vllm": "0.23.0",
+            "vllm_ascend": "0.23.0.post1", "trl": "1.16.0", "transformers": "4.57.1", "accelerate": "1.10.1"}
+
+
+def test_real_check_passes_on_this_machine_within_a_minute(workbench_cmd, tmp_path):
+    started = time.time()
+    out = subprocess.run([*workbench_cmd, "env", f"monitor.runs_dir={tmp_path}"], capture_output=True, text=True,
+                         timeout=120)
+    assert time.time() - started < 60
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS  gloo all-reduce" in out.stdout and "sum [3.0] (expected 3)" in out.stdout
+    (saved,) = tmp_path.glob("*-env/env.json")
+    data = json.loads(saved.read_text())
+    assert data["ok"] and data["platform"] == "cpu"
+    names = {c["name"]: c["status"] for c in data["checks"]}
+    assert names["gloo all-reduce"] == "pass" and names["device split"] == "pass"
+    assert names["server KV cache (CPU)"] == "pass"
+
+
+def _fake_host(tmp_path, npu_smi_file="info-910b2c-narrow.txt", cann="9.1.0", loaded=True):
+    """An Ascend host in a directory: CANN version file, a fake npu-smi printing a recorded table."""
+    toolkit = tmp_path / "Ascend" / "ascend-toolkit" / "latest"
+    (toolkit / "aarch64-linux").mkdir(parents=True)
+    (toolkit / "lib64").mkdir()
+    (toolkit / "aarch64-linux" / "ascend_toolkit_install.info").write_text(f"package_name=Ascend-cann-toolkit\nversion={cann}\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    npu_smi = bin_dir / "npu-smi"
+    npu_smi.write_text(f"#!/bin/sh\ncat '{FIXTURES / npu_smi_file}'\n")
+    npu_smi.chmod(0o755)
+    environ = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    if loaded:
+        environ.update({"ASCEND_HOME_PATH": str(toolkit), "ASCEND_TOOLKIT_HOME": str(toolkit),
+                        "LD_LIBRARY_PATH": f"{toolkit}/lib64:/usr/lib", "HCCL_CONNECT_TIMEOUT": "1800"})
+    return environ
+
+
+def _ascend_check(environ, versions, **overrides):
+    r = recipe.load("ascend-910b-8card", {"devices.server": [0], "devices.trainer": [1],
+                                          "server.tensor_parallel_size": 1, **overrides})
+    return env.check(r, collective=False, platform="npu", environ=environ, versions=versions,
+                     runner=env._run, devices=["910B2C", "910B2C"])
+
+
+def test_fake_ascend_host_that_is_right(tmp_path):
+    report = _ascend_check(_fake_host(tmp_path), GOOD_ROW)
+    chain = report.find("Ascend version chain")
+    assert chain.status == "pass" and "vllm-ascend 0.23.0 / vLLM 0.23.0" in chain.found and "CANN 9.1.0" in chain.found
+    smi = report.find("npu-smi")
+    assert smi.status == "pass" and smi.found.startswith("2 NPU(s), 2 chip(s): 910B2C") and "0.0=5%" in smi.found
+    assert report.find("CANN loaded").status == "pass"
+    assert report.find("HCCL_CONNECT_TIMEOUT").status == "pass"
+    assert report.find("HCCL_SOCKET_IFNAME").status == "warn"
+
+
+def test_mismatched_versions_name_the_row_and_each_change(tmp_path):
+    drifted = {**GOOD_ROW, "torch_npu": "2.9.0", "vllm_ascend": "0.23.0", "vllm": "0.23.0"}
+    report = _ascend_check(_fake_host(tmp_path, cann="9.0.1"), drifted)
+    chain = report.find("Ascend version chain")
+    assert chain.status == "fail"
+    assert "closest row: vllm-ascend 0.23.0 " in chain.found
+    assert "torch_npu 2.9.0 -> 2.10.0.post4" in chain.fix and "CANN 9.0.1 -> 9.1.0" in chain.fix
+    assert not report.ok
+
+
+def test_older_chain_is_matched_to_its_own_row(tmp_path):
+    old = {**GOOD_ROW, "torch": "2.9.0", "torch_npu": "2.9.0.post1", "vllm": "0.18.0", "vllm_ascend": "0.18.0"}
+    report = _ascend_check(_fake_host(tmp_path, cann="8.5.1"), old)
+    chain = report.find("Ascend version chain")
+    assert chain.status == "pass" and "vllm-ascend 0.18.0" in chain.found
+    window = report.find("TRL vLLM window")
+    assert window.status == "warn" and "0.18.0 is outside" in window.found
+
+
+def test_cann_not_loaded(tmp_path):
+    report = _ascend_check(_fake_host(tmp_path, loaded=False), GOOD_ROW)
+    cann = report.find("CANN loaded")
+    assert cann.status == "fail" and "ASCEND_HOME_PATH / ASCEND_TOOLKIT_HOME are not set" in cann.found
+    assert "source /usr/local/Ascend/ascend-toolkit/set_env.sh" in cann.fix
+    assert report.find("HCCL_CONNECT_TIMEOUT").status == "pass"  # the recipe sets it for its own processes
+
+
+def test_lib64_missing_from_ld_library_path(tmp_path):
+    environ = _fake_host(tmp_path)
+    environ["LD_LIBRARY_PATH"] = "/usr/lib"
+    cann = _ascend_check(environ, GOOD_ROW).find("CANN loaded")
+    assert cann.status == "fail" and "no Ascend lib64 in LD_LIBRARY_PATH" in cann.found
+
+
+def test_npu_smi_missing_or_devices_missing(tmp_path):
+    environ = _fake_host(tmp_path)
+    environ["PATH"] = "/usr/bin:/bin"
+    assert _ascend_check(environ, GOOD_ROW).find("npu-smi").status == "fail"
+    report = _ascend_check(_fake_host(tmp_path / "b"), GOOD_ROW, **{"devices.server": [4, 5], "devices.trainer": [6, 7],
+                                                                    "server.tensor_parallel_size": 2})
+    present = report.find("recipe devices present")
+    assert present.status == "fail" and "recipe uses NPUs [4, 5, 6, 7], npu-smi shows [0, 1]" in present.found
+
+
+def test_unreadable_npu_smi_fails_loudly(tmp_path):
+    environ = _fake_host(tmp_path)
+    (Path(environ["PATH"].split(":")[0]) / "npu-smi").write_text("#!/bin/sh\necho 'something else entirely'\n")
+    smi = _ascend_check(environ, GOOD_ROW).find("npu-smi")
+    assert smi.status == "fail" and "unreadable npu-smi output" in smi.found
+
+
+def test_ascend_recipe_on_this_cpu_machine_fails_with_a_fix():
+    report = env.check(recipe.load("ascend-910b-8card"), collective=False, platform="cpu", environ={"PATH": "/usr/bin"})
+    platform = report.find("platform")
+    assert platform.status == "fail" and "recipe wants 'npu', this machine runs 'cpu'" in platform.found
+    assert "set_env.sh" in platform.fix
+
+
+def test_collective_hang_becomes_a_clear_timeout():
+    report = env.Report()
+    env.run_collective(report, "cpu", 2, timeout=0.5)
+    (c,) = report.checks
+    assert c.status == "fail" and re.search(r"did not finish an all-reduce within \d+s \(a hang\)", c.found)
+    assert "SOCKET_IFNAME" in c.fix
+
+
+def test_html_and_text_rendering():
+    report = env.Report(platform="cpu")
+    report.add("versions", "pip check", "warn", "1 problem <x>", "fix it")
+    assert "&lt;x&gt;" in report._repr_html_() and "WARN  pip check" in report.to_text() and "-> fix it" in report.to_text()
+
+
+def test_kv_cache_that_does_not_fit_numa_node0():
+    report = env.Report()
+    env.check_resources(report, recipe.load("cpu-tiny", {"server.kv_cache_space_gib": 8}), "cpu",
+                        node0_meminfo="Node 0 MemFree:        7000000 kB\n")
+    kv = report.find("server KV cache (CPU)")
+    assert kv.status == "fail" and "lower server.kv_cache_space_gib to 5" in kv.fix
