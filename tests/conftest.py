@@ -66,3 +66,19 @@ def tiny_server(server_recipe, tiny_model_dir, tmp_path_factory):
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory, tiny_model_dir):
+    """`workbench train --recipe smoke` for real, once: (run directory, server port)."""
+    import subprocess
+
+    runs = tmp_path_factory.mktemp("smoke-runs")
+    port = free_port()
+    script = VENV_BIN / "workbench"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "workbench"]
+    out = subprocess.run([*cmd, "train", "--recipe", "smoke", f"server.port={port}", f"monitor.runs_dir={runs}"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_dir,) = [p for p in runs.iterdir() if p.name.endswith("-smoke-train")]
+    return run_dir, port

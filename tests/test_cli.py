@@ -14,11 +14,11 @@ def test_console_script_and_module_entry_point(workbench_cmd):
     for cmd in (workbench_cmd, [sys.executable, "-m", "workbench"]):
         out = run(cmd, "--help")
         assert out.returncode == 0
-        for name in ["recipe", "tiny-model", "run", "serve", "train", "env", *STAGES_TODO]:
+        for name in ["recipe", "tiny-model", "run", "serve", "train", "env", "eval", *STAGES_TODO]:
             assert name in out.stdout
 
 
-@pytest.mark.parametrize("name", ["recipe", "tiny-model", "run", "serve", "train", "env", *STAGES_TODO])
+@pytest.mark.parametrize("name", ["recipe", "tiny-model", "run", "serve", "train", "env", "eval", *STAGES_TODO])
 def test_every_subcommand_explains_itself(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([name, "--help"])
@@ -53,8 +53,10 @@ def test_bad_input_exits_2_with_one_line(workbench_cmd, args, pattern):
     assert len(lines) == 1 and lines[0].startswith("error: ") and pattern in lines[0]
 
 
-def test_run_prints_the_baseline(workbench_cmd, tiny_model_dir):
-    out = run(workbench_cmd, "run", "--recipe", "cpu-tiny")
+def test_run_prints_the_baseline(workbench_cmd, tiny_model_dir, tmp_path):
+    out = run(workbench_cmd, "run", "--recipe", "cpu-tiny", "--stages", "model", f"monitor.runs_dir={tmp_path}")
     assert out.returncode == 0, out.stderr
     assert str(tiny_model_dir) in out.stdout
     assert "baseline held-out exact-match" in out.stdout and "on 300 problems" in out.stdout
+    bad = run(workbench_cmd, "run", "--stages", "model,deploy", f"monitor.runs_dir={tmp_path}")
+    assert bad.returncode == 2 and "unknown stage(s) ['deploy']" in bad.stderr

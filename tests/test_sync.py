@@ -1,13 +1,10 @@
 """Weight sync, for real on the CPU (reload, none) and against a recording fake of vllm-ascend's engine (hccl)."""
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import free_port
 from workbench import recipe, server, sync
 from workbench.trainer import JsonlMetrics, build_trainer
 
@@ -157,12 +154,8 @@ def test_hccl_without_vllm_ascend_says_what_to_install():
         sync.HcclSync().connect(RecordingClient(), "cpu")
 
 
-def test_smoke_run_through_the_server(tmp_path, workbench_cmd, tiny_model_dir):
-    port = free_port()
-    out = subprocess.run([*workbench_cmd, "train", "--recipe", "smoke", f"server.port={port}",
-                          f"monitor.runs_dir={tmp_path}"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.endswith("-smoke-train")]
+def test_smoke_run_through_the_server(smoke_run):
+    run_dir, port = smoke_run
     logs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in logs if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]

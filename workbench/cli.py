@@ -18,8 +18,6 @@ from typing import Callable
 from workbench.errors import WorkbenchError
 
 STAGES_TODO = {  # name: (issue, one-line help, description)
-    "eval": (6, "score a model through the OpenAI-compatible server",
-             "Score a model (base or trained) through the OpenAI-compatible server, repeated and concurrent."),
     "report": (5, "rebuild a run's self-contained HTML report",
                "Rebuild the self-contained HTML report of a run directory (also for a crashed run)."),
     "bench": (None, "compare rollout paths on this machine",
@@ -64,18 +62,12 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Today: the stages that exist. The staged notebooks take this over (issue 5)."""
-    from workbench import recipe, tinymodel
+    from workbench import pipeline, recipe
 
     r = recipe.load(args.recipe, args.overrides)
-    if r.model.path == "tiny":
-        path = tinymodel.ensure(r)
-        held = tinymodel.info(path)["heldout"]
-        print(f"baseline: tiny model at {path}")
-        print(f"baseline held-out exact-match {held['accuracy']:.1%} on {held['n']} problems "
-              f"(format followed {held['format_rate']:.1%})")
-    else:
-        print(f"model: {tinymodel.resolve_model_path(r)}")
+    stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+    run_dir = pipeline.run(r, stages)
+    print(f"run directory: {run_dir}")
     return 0
 
 
@@ -118,6 +110,20 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from workbench import evaluate, recipe
+
+    r = recipe.load(args.recipe, args.overrides)
+    models = {}
+    for item in args.model or []:
+        label, sep, path = item.partition("=")
+        if not sep:
+            label, path = path or label, label
+        models[label] = path
+    evaluate.evaluate(r, models or None)
+    return 0
+
+
 def _todo(name: str) -> Callable[[argparse.Namespace], int]:
     issue = STAGES_TODO[name][0]
     which = f"issue {issue}" if issue else "planned"
@@ -152,10 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even when a cached model matches")
     p.set_defaults(func=cmd_tiny_model)
 
-    p = sub.add_parser("run", help="run the recipe's stages in order (today: build the model, baseline accuracy)",
-                       description="Run the stages of a recipe in order. For now this builds or reuses the policy "
-                                   "model and prints its baseline held-out accuracy; the staged notebooks extend it.")
+    p = sub.add_parser("run", help="run the recipe's stages in order: env, model, train, eval",
+                       description="Run the stages of a recipe in order in one run directory: the environment "
+                                   "check, the policy model (built if it is the tiny one; baseline accuracy), GRPO "
+                                   "through the vLLM server, and the evaluation of base vs trained through the server. "
+                                   "The first failing stage stops the run.")
     _add_recipe_args(p)
+    p.add_argument("--stages", help="comma-separated subset, e.g. env,model (default: all)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("serve", help="start (or check) the recipe's vLLM server and keep it running",
@@ -186,6 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(p)
     p.add_argument("--no-collective", action="store_true", help="skip the all-reduce self-test")
     p.set_defaults(func=cmd_env)
+
+    p = sub.add_parser("eval", help="score models through the OpenAI-compatible server, repeated and concurrent",
+                       description="Serve each model in turn (or attach to server.url), check before any request "
+                                   "that the served name is right and the longest prompt plus eval.max_tokens fits "
+                                   "max_model_len, send the eval split with bounded concurrency, score (exact match; "
+                                   "math-verify for LaTeX answers), repeat eval.repeats times, and write "
+                                   "samples.jsonl, summary.json, comparison.md and comparison.png. Prints the "
+                                   "equivalent lm-evaluation-harness command.")
+    _add_recipe_args(p)
+    p.add_argument("--model", action="append", metavar="LABEL=PATH",
+                   help="a model directory to evaluate, repeatable (default: the recipe's model as 'base')")
+    p.set_defaults(func=cmd_eval)
 
     for name, (issue, short, text) in STAGES_TODO.items():
         which = f"issue {issue}" if issue else "planned"

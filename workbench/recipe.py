@@ -142,6 +142,7 @@ class EvalConfig:
     seed: int = 1234
     max_tokens: int = 48
     stop: list[str] = field(default_factory=list)
+    retries: int = 3  # per request, on connection errors, timeouts and 5xx
 
 
 @dataclass

@@ -134,6 +134,8 @@ def _who_listens(port: int) -> str:
 
 def check_port_free(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the server binds (uvicorn sets SO_REUSEADDR): a previous server's TIME_WAIT sockets must not count.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

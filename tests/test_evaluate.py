@@ -1,0 +1,96 @@
+"""Evaluation through the server: grading, preflight against a real server, repeats, comparison outputs."""
+import json
+
+import pytest
+from PIL import Image
+
+from conftest import free_port
+from workbench import evaluate, recipe
+from workbench.errors import WorkbenchError
+
+
+@pytest.mark.parametrize("gold,response,expected", [
+    ("72", "Natalia sold 48 + 24 = 72 clips.\n#### 72", True),  # GSM8K style
+    ("1234", "so the total is\n#### 1,234", True),
+    ("18", "#### 19", False),
+    ("\\frac{1}{2}", "Thus the probability is $\\boxed{\\frac{1}{2}}$.", True),  # MATH style
+    ("\\frac{1}{2}", "$\\boxed{0.5}$", True),
+    ("\\frac{3}{4}", "$\\boxed{\\frac{4}{3}}$", False),
+    ("5", "The side is $\\boxed{5\\text{ cm}}$.", True),  # units
+    ("\\sqrt{2}", "\\boxed{\\sqrt{2}}", True),
+    ("3", "I am not sure.", False),  # no final answer at all
+    ("82", "47 + 35: 7+5=12, 4+3+1=8. <answer>82</answer>", True),  # the synthetic task
+])
+def test_grading_hand_written_cases(gold, response, expected):
+    (extracted, correct), = evaluate.grade([gold], [response])
+    assert correct is expected, extracted
+
+
+def test_grading_off_the_main_thread_keeps_working():
+    import threading
+
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("r", evaluate.grade(["\\frac{1}{2}", "7"], ["\\boxed{\\frac{2}{4}}", "#### 8"])))
+    thread.start()
+    thread.join()
+    assert [c for _, c in box["r"]] == [True, False]
+
+
+def _eval_recipe(server_recipe, url, **overrides):
+    return recipe.load(server_recipe, {"server.mode": "attach", "server.url": url, "eval.num_samples": 64, **overrides})
+
+
+def test_preflight_checks_lengths_and_name_against_the_real_server(tiny_server, server_recipe):
+    r = _eval_recipe(server_recipe, tiny_server.url, **{"eval.max_tokens": 250})
+    rows = evaluate.eval_rows(r)
+    with pytest.raises(WorkbenchError, match=r"longest prompt is \d+ tokens and eval.max_tokens is 250: \d+ > the server's "
+                                             r"max_model_len 256.*lower eval.max_tokens to \d+"):
+        evaluate.preflight(r, tiny_server.url, rows)
+    wrong = _eval_recipe(server_recipe, tiny_server.url, **{"server.served_model_name": "policy-7b"})
+    with pytest.raises(WorkbenchError, match=r"does not serve 'policy-7b'; it serves \['tiny-policy'\]"):
+        evaluate.preflight(wrong, tiny_server.url, rows)
+    ok = evaluate.preflight(_eval_recipe(server_recipe, tiny_server.url), tiny_server.url, rows)
+    assert ok["max_model_len"] == 256 and 10 < ok["longest_prompt_tokens"] <= 64
+
+
+def test_temperature_zero_repeats_agree_and_sampling_reports_spread(tiny_server, server_recipe, tiny_model_dir):
+    from workbench import tinymodel
+
+    greedy = _eval_recipe(server_recipe, tiny_server.url, **{"eval.repeats": 2})
+    rows = evaluate.eval_rows(greedy)
+    summary, samples = evaluate.evaluate_server(greedy, tiny_server.url, "base", rows, quiet=True, concurrency=16)
+    assert len(samples) == 128 and summary.errors == 0 and summary.unscored == 0
+    assert summary.accuracy_per_repeat[0] == summary.accuracy_per_repeat[1] and summary.accuracy_std == 0
+    first = {s.id: s.response for s in samples if s.repeat == 0}
+    assert all(first[s.id] == s.response for s in samples if s.repeat == 1)
+    assert 0.1 < summary.accuracy_mean < 0.7 and summary.truncation_rate == 0 and summary.mean_output_tokens > 20
+    sampled = _eval_recipe(server_recipe, tiny_server.url, **{"eval.repeats": 3, "eval.temperature": 1.0})
+    spread, _ = evaluate.evaluate_server(sampled, tiny_server.url, "base", rows, quiet=True)
+    assert len(spread.accuracy_per_repeat) == 3 and spread.accuracy_std > 0
+    assert "± " in evaluate.comparison_table([summary, spread])
+
+
+def test_base_vs_trained_comparison_outputs(server_recipe, tiny_model_dir, smoke_run, tmp_path):
+    run_dir, _ = smoke_run
+    r = recipe.load(server_recipe, {"eval.num_samples": 48, "eval.repeats": 2, "server.port": free_port()})
+    summaries = evaluate.evaluate(r, {"base": "tiny", "trained": str(run_dir / "final")}, out_dir=tmp_path,
+                                  quiet=True, log=lambda *_: None)
+    assert [s.model for s in summaries] == ["base", "trained"]
+    table = (tmp_path / "comparison.md").read_text()
+    assert "| base | 48 × 2 |" in table and "| trained | 48 × 2 |" in table
+    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 48 * 2
+    assert {"prompt", "response", "extracted", "gold", "correct", "completion_tokens", "latency_s"} <= set(records[0])
+    assert len(json.loads((tmp_path / "summary.json").read_text())) == 2
+    with Image.open(tmp_path / "comparison.png") as image:
+        assert image.size[0] > 300 and image.size[1] > 200
+
+
+def test_lm_eval_command_matches_the_recipe():
+    r = recipe.load("ascend-910b-8card")
+    command = evaluate.lm_eval_command(r, "http://127.0.0.1:8001")
+    assert command.startswith("lm_eval --model local-chat-completions --model_args model=policy-7b,"
+                              "base_url=http://127.0.0.1:8001/v1/chat/completions,num_concurrent=48")
+    assert "--tasks gsm8k --apply_chat_template" in command and "temperature=0.0" in command and "seed=1234" in command
+    completions = evaluate.lm_eval_command(recipe.load("cpu-tiny", ["eval.endpoint=completions"]), "http://h:1")
+    assert "local-completions" in completions and "/v1/completions" in completions and "cross-check on gsm8k" in completions
