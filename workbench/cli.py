@@ -66,8 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     r = recipe.load(args.recipe, args.overrides)
     stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
-    run_dir = pipeline.run(r, stages)
-    print(f"run directory: {run_dir}")
+    pipeline.run(r, stages)
     return 0
 
 

@@ -45,6 +45,7 @@ def run(recipe: Recipe, stages: list[str] | None = None, log=print) -> Path:
                                      "apply the fixes it lists, then run again")
         elif stage == "model":
             model_path = tinymodel.resolve_model_path(recipe, log=log)
+            log(f"model: {model_path}")
             if recipe.model.path == "tiny":
                 held = tinymodel.info(Path(model_path))["heldout"]
                 log(f"baseline held-out exact-match {held['accuracy']:.1%} on {held['n']} problems "
@@ -63,4 +64,5 @@ def run(recipe: Recipe, stages: list[str] | None = None, log=print) -> Path:
         timings[stage] = round(time.time() - started, 1)
     (run_dir / "run.json").write_text(json.dumps({"stages": stages, "seconds": timings}, indent=2))
     log(f"stage times (s): {timings}")
+    log(f"run directory: {run_dir}")
     return run_dir
