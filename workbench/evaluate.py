@@ -81,13 +81,8 @@ def longest_prompt_tokens(url: str, model: str, rows: list[dict], key: str | Non
 
 def preflight(recipe: Recipe, url: str, rows: list[dict], key: str | None = None) -> dict:
     """Before any request: the model name is served and the longest prompt + max_tokens fits max_model_len."""
-    models = server.served_models(url, key)
-    names = [m["id"] for m in models]
+    entry = server.served_entry(recipe, url, key)
     name = recipe.server.served_model_name
-    entry = next((m for m in models if m["id"] == name), None)
-    if entry is None:
-        raise WorkbenchError(f"the server at {url} does not serve {name!r}; it serves {names}",
-                             f"set server.served_model_name to one of {names}")
     limit = entry.get("max_model_len")
     longest = longest_prompt_tokens(url, name, rows, key)
     needed = longest + recipe.eval.max_tokens
@@ -253,7 +248,7 @@ def _with_prompt_text(url: str, recipe: Recipe, rows: list[dict], key: str | Non
     """The completions endpoint takes text: render the chat template with the served model's tokenizer."""
     from transformers import AutoTokenizer
 
-    root = next(m for m in server.served_models(url, key) if m["id"] == recipe.server.served_model_name).get("root")
+    root = server.served_entry(recipe, url, key).get("root")
     tokenizer = AutoTokenizer.from_pretrained(root)
     return [{**r, "prompt_text": tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)}
             for r in rows]

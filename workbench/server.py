@@ -192,8 +192,8 @@ def served_models(url: str, key: str | None = None, timeout: float = 10.0) -> li
     return data
 
 
-def verify(recipe: Recipe, url: str, key: str | None = None) -> dict:
-    """Check that the server serves the recipe's model name with a context that fits; returns its /v1/models entry."""
+def served_entry(recipe: Recipe, url: str, key: str | None = None) -> dict:
+    """The /v1/models entry of the recipe's served name, or an error listing the names the server does serve."""
     models = served_models(url, key)
     names = [m["id"] for m in models]
     wanted = recipe.server.served_model_name
@@ -201,6 +201,13 @@ def verify(recipe: Recipe, url: str, key: str | None = None) -> dict:
     if entry is None:
         raise WorkbenchError(f"the server at {url} does not serve {wanted!r}; it serves {names}",
                              f"set server.served_model_name to one of {names} (requests naming another model get 404)")
+    return entry
+
+
+def verify(recipe: Recipe, url: str, key: str | None = None) -> dict:
+    """Check that the server serves the recipe's model name with a context that fits; returns its /v1/models entry."""
+    entry = served_entry(recipe, url, key)
+    wanted = recipe.server.served_model_name
     if entry.get("owned_by") != "vllm" or "max_model_len" not in entry:
         raise WorkbenchError(f"{url} serves {wanted!r} but is not a vLLM server (no max_model_len in /v1/models)",
                              "training needs vLLM's extra endpoints: point server.url at a vLLM server")

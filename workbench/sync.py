@@ -39,6 +39,19 @@ Metadata = list[tuple[str, str, list[int]]]
 NamedParams = Iterator[tuple[str, torch.Tensor]]
 
 
+class _Counted:
+    """Passes (name, tensor) pairs through, adding up their bytes for the sync log."""
+
+    def __init__(self, named_params: NamedParams) -> None:
+        self.named_params = named_params
+        self.bytes = 0
+
+    def __iter__(self):
+        for name, tensor in self.named_params:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
 class WeightSync:
     """One way of moving weights to the server. Subclasses implement `connect` and `send`."""
 
@@ -155,16 +168,9 @@ class NcclSync(WeightSync):
         VLLMClient.init_communicator(client, device)
 
     def send(self, client, metadata, named_params) -> int:
-        moved = 0
-
-        def counted():
-            nonlocal moved
-            for name, tensor in named_params:
-                moved += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
-        VLLMClient.update_named_params(client, metadata, counted())
-        return moved
+        counted = _Counted(named_params)
+        VLLMClient.update_named_params(client, metadata, iter(counted))
+        return counted.bytes
 
     def close(self, client) -> None:
         VLLMClient.close_communicator(client)
@@ -219,21 +225,14 @@ class HcclSync(WeightSync):
         engine = self._engine()
         names, dtypes, shapes = (list(column) for column in zip(*metadata))
         update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes, "packed": True}
-        moved = 0
-
-        def counted():
-            nonlocal moved
-            for name, tensor in named_params:
-                moved += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
+        counted = _Counted(named_params)
         client._post(f"{client.base_url}/start_weight_update", json={})
         with ThreadPoolExecutor(max_workers=1) as pool:
             answer = pool.submit(client._post, f"{client.base_url}/update_weights", json={"update_info": update_info})
-            engine.trainer_send_weights(counted(), {"group": self.group, "packed": True})
+            engine.trainer_send_weights(iter(counted), {"group": self.group, "packed": True})
             answer.result()
         client._post(f"{client.base_url}/finish_weight_update", json={})
-        return moved
+        return counted.bytes
 
     def close(self, client) -> None:
         self.group = None
