@@ -143,3 +143,18 @@ def test_kv_cache_that_does_not_fit_numa_node0():
                         node0_meminfo="Node 0 MemFree:        7000000 kB\n")
     kv = report.find("server KV cache (CPU)")
     assert kv.status == "fail" and "lower server.kv_cache_space_gib to 5" in kv.fix
+
+
+def test_installed_torch_npu_and_vllm_ascend_are_read_and_checked(tmp_path, monkeypatch):
+    """Fake torch_npu / vllm-ascend distributions (dist-info only) next to the real packages."""
+    for name, version in (("torch_npu", "2.9.0"), ("vllm_ascend", "0.23.0")):
+        info = tmp_path / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    versions = env.installed_versions()
+    assert versions["torch_npu"] == "2.9.0" and versions["vllm_ascend"] == "0.23.0"
+    report = env.Report()
+    env.check_versions(report, versions, "cpu", cann="9.1.0")
+    chain = report.find("Ascend version chain")
+    assert chain.status == "fail" and "torch_npu 2.9.0 -> 2.10.0.post4" in chain.fix and "torch 2.13.0" in chain.fix

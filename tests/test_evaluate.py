@@ -68,6 +68,10 @@ def test_temperature_zero_repeats_agree_and_sampling_reports_spread(tiny_server,
     spread, _ = evaluate.evaluate_server(sampled, tiny_server.url, "base", rows, quiet=True)
     assert len(spread.accuracy_per_repeat) == 3 and spread.accuracy_std > 0
     assert "± " in evaluate.comparison_table([summary, spread])
+    completions = _eval_recipe(server_recipe, tiny_server.url, **{"eval.endpoint": "completions"})
+    plain, plain_samples = evaluate.evaluate_server(completions, tiny_server.url, "base", rows, quiet=True)
+    assert plain.accuracy_mean == summary.accuracy_mean  # same greedy answers through /v1/completions
+    assert "<answer>" in plain_samples[0].response
 
 
 def test_base_vs_trained_comparison_outputs(server_recipe, tiny_model_dir, smoke_run, tmp_path):

@@ -40,3 +40,19 @@ def test_env_check_notebook_runs_under_papermill(tmp_path):
     assert "<table>" in table and "gloo all-reduce" in table and "FAILED" not in table
     saved = json.loads((tmp_path / "run" / "env.json").read_text())
     assert saved["ok"] and any(c["name"] == "gloo all-reduce" and c["status"] == "pass" for c in saved["checks"])
+
+
+def test_evaluation_notebook_runs_under_papermill(tmp_path, tiny_server):
+    import papermill
+
+    out = tmp_path / "05_evaluation.ipynb"
+    overrides = ["server.mode=attach", f"server.url={tiny_server.url}", "eval.num_samples=32", "eval.repeats=2"]
+    papermill.execute_notebook(str(REPO / "notebooks" / "05_evaluation.ipynb"), str(out), kernel_name=kernel(),
+                               parameters={"overrides": overrides, "run_dir": str(tmp_path / "run")},
+                               cwd=str(tmp_path), progress_bar=False)
+    nb = json.loads(out.read_text())
+    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    markdown = "".join("".join(o["data"]["text/markdown"]) for o in outputs if "text/markdown" in o.get("data", {}))
+    assert "| tiny-policy | 32 × 2 |" in markdown
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    assert (tmp_path / "run" / "samples.jsonl").read_text().count("\n") == 64
