@@ -113,6 +113,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from workbench import evaluate, recipe
 
     r = recipe.load(args.recipe, args.overrides)
+    if args.bench:
+        return _eval_bench(r, [int(c) for c in args.bench.split(",")])
     models = {}
     for item in args.model or []:
         label, sep, path = item.partition("=")
@@ -120,6 +122,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
             label, path = path or label, label
         models[label] = path
     evaluate.evaluate(r, models or None)
+    return 0
+
+
+def _eval_bench(r, concurrencies: list[int]) -> int:
+    import json
+    import platform
+
+    from workbench import evaluate, server, tinymodel
+    from workbench.rundir import new_run_dir
+
+    out_dir = new_run_dir(r, "evalbench")
+    rows = evaluate.eval_rows(r)
+    with server.VLLMServer(r, tinymodel.resolve_model_path(r), out_dir) as srv:
+        evaluate.preflight(r, srv.url, rows)
+        result = evaluate.benchmark(r, srv.url, rows, concurrencies)
+    result["machine"] = f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores, server on {r.devices.server}"
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
+    print(f"saved: {out_dir / 'bench.json'}")
     return 0
 
 
@@ -203,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "samples.jsonl, summary.json, comparison.md and comparison.png. Prints the "
                                    "equivalent lm-evaluation-harness command.")
     _add_recipe_args(p)
+    p.add_argument("--bench", metavar="C1,C2,...",
+                   help="measure evaluator throughput at these concurrencies against a sequential loop, then exit")
     p.add_argument("--model", action="append", metavar="LABEL=PATH",
                    help="a model directory to evaluate, repeatable (default: the recipe's model as 'base')")
     p.set_defaults(func=cmd_eval)

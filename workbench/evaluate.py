@@ -367,6 +367,22 @@ def evaluate(recipe: Recipe, models: dict[str, str] | None = None, out_dir: Path
     return summaries
 
 
+def benchmark(recipe: Recipe, url: str, rows: list[dict], concurrencies: list[int], log=print) -> dict:
+    """Requests/s of a plain sequential loop and of the evaluator at each concurrency, in one run, as ratios."""
+    sequential = sequential_baseline(recipe, url, rows)
+    result = {"sequential_requests_per_second": sequential, "n": len(rows), "by_concurrency": {}}
+    log(f"sequential loop: {sequential:.1f} requests/s over {len(rows)} requests")
+    for c in concurrencies:
+        summary, _ = evaluate_server(recipe, url, f"c{c}", rows, server.api_key(recipe), concurrency=c, repeats=1,
+                                     quiet=True)
+        result["by_concurrency"][c] = {"requests_per_second": summary.requests_per_second,
+                                       "tokens_per_second": summary.tokens_per_second,
+                                       "speedup_vs_sequential": summary.requests_per_second / sequential}
+        log(f"concurrency {c:3d}: {summary.requests_per_second:6.1f} requests/s, {summary.tokens_per_second:6.0f} "
+            f"tokens/s, x{summary.requests_per_second / sequential:.2f} vs sequential")
+    return result
+
+
 def sequential_baseline(recipe: Recipe, url: str, rows: list[dict]) -> float:
     """Requests per second of a plain loop, one request at a time (the benchmark's reference point)."""
     started = time.perf_counter()
