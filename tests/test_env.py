@@ -5,7 +5,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 
 from workbench import env, recipe
 

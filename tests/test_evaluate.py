@@ -54,7 +54,6 @@ def test_preflight_checks_lengths_and_name_against_the_real_server(tiny_server, 
 
 
 def test_temperature_zero_repeats_agree_and_sampling_reports_spread(tiny_server, server_recipe, tiny_model_dir):
-    from workbench import tinymodel
 
     greedy = _eval_recipe(server_recipe, tiny_server.url, **{"eval.repeats": 2})
     rows = evaluate.eval_rows(greedy)

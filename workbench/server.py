@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlparse
 
 import requests
 
@@ -504,6 +503,3 @@ def serve_forever(recipe: Recipe, model_path: str, run_dir: Path) -> None:
         except KeyboardInterrupt:
             print("stopping the server", file=sys.stderr)
 
-
-def host_of(url: str) -> str:
-    return urlparse(url).hostname or ""
