@@ -171,3 +171,15 @@ def test_smoke_run_through_the_server(smoke_run):
     assert summary["steps"] == 3 and summary["weight_sync"] == "reload"
     import psutil
     assert not [p for p in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_training_pins_to_trainer_cores_and_gives_them_back():
+    import os
+
+    from workbench.trainer import _pinned_to_trainer_cores
+
+    before = os.sched_getaffinity(0)
+    r = recipe.load("cpu-tiny")
+    with _pinned_to_trainer_cores(r, "cpu"):
+        assert os.sched_getaffinity(0) == set(r.devices.trainer) and torch.get_num_threads() == 1
+    assert os.sched_getaffinity(0) == before  # a later stage (the eval server) may use the server's cores again

@@ -18,6 +18,7 @@ analogue of "four cards serve, four cards train".
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -129,14 +130,23 @@ class TrainResult:
     steps: int
 
 
-def _pin_trainer_to_cores(recipe: Recipe, platform: str) -> None:
+@contextlib.contextmanager
+def _pinned_to_trainer_cores(recipe: Recipe, platform: str):
+    """On the CPU, train on devices.trainer cores only; afterwards give this process its cores back (a later stage
+    in the same process, such as the evaluation's server, must be able to use the server's cores again)."""
     if platform != "cpu":
+        yield
         return
     import torch
 
-    cores = set(recipe.devices.trainer)
-    os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))
+    saved_cores, saved_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, set(recipe.devices.trainer))
+    torch.set_num_threads(len(recipe.devices.trainer))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved_cores)
+        torch.set_num_threads(saved_threads)
 
 
 def build_trainer(recipe: Recipe, model_path: str, output_dir: Path, weight_sync: sync.WeightSync,
@@ -172,13 +182,13 @@ def train(recipe: Recipe, run_dir: Path | None = None, log=print) -> TrainResult
     with server.VLLMServer(recipe, model_path, run_dir) as srv:
         log(f"server: {srv.url} serving {recipe.server.served_model_name!r}"
             + (f", started in {srv.startup_seconds:.0f}s" if srv.startup_seconds else " (attached)"))
-        _pin_trainer_to_cores(recipe, platform)
-        trainer = build_trainer(recipe, model_path, run_dir / "checkpoints", weight_sync, platform)
-        trainer.add_callback(JsonlMetrics(metrics_path))
-        log(f"training: {trainer.args.max_steps} steps, weight sync {method!r}, metrics -> {metrics_path}")
-        started = time.time()
-        trainer.train()
-        train_seconds = time.time() - started
+        with _pinned_to_trainer_cores(recipe, platform):
+            trainer = build_trainer(recipe, model_path, run_dir / "checkpoints", weight_sync, platform)
+            trainer.add_callback(JsonlMetrics(metrics_path))
+            log(f"training: {trainer.args.max_steps} steps, weight sync {method!r}, metrics -> {metrics_path}")
+            started = time.time()
+            trainer.train()
+            train_seconds = time.time() - started
         final = run_dir / "final"
         trainer.save_model(str(final))
         trainer.processing_class.save_pretrained(str(final))
