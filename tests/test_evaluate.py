@@ -97,3 +97,20 @@ def test_lm_eval_command_matches_the_recipe():
     assert "--tasks gsm8k --apply_chat_template" in command and "temperature=0.0" in command and "seed=1234" in command
     completions = evaluate.lm_eval_command(recipe.load("cpu-tiny", ["eval.endpoint=completions"]), "http://h:1")
     assert "local-completions" in completions and "/v1/completions" in completions and "cross-check on gsm8k" in completions
+
+
+def test_run_async_works_inside_a_running_loop_and_raises_there():
+    import asyncio
+
+    async def five():
+        return 5
+
+    async def fails():
+        raise ValueError("boom")
+
+    async def notebook_cell():  # a Jupyter kernel already runs an event loop
+        assert evaluate._run_async(five()) == 5
+        with pytest.raises(ValueError, match="boom"):
+            evaluate._run_async(fails())
+
+    asyncio.run(notebook_cell())

@@ -140,9 +140,18 @@ def _run_async(coro):
     except RuntimeError:
         return asyncio.run(coro)
     box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("out", asyncio.run(coro)))
+
+    def target() -> None:
+        try:
+            box["out"] = asyncio.run(coro)
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target)
     thread.start()
     thread.join()
+    if "error" in box:
+        raise box["error"]
     return box["out"]
 
 

@@ -1,7 +1,8 @@
 """The tiny policy model the workbench builds itself, so the whole pipeline runs on a CPU with no download.
 
 Three steps, all seeded:
-1. a byte-level BPE tokenizer (512 tokens, digits split one per token) trained on the arithmetic task's text,
+1. a byte-level BPE tokenizer (digits split one per token; asked for 512 tokens, the arithmetic text saturates it at
+   358) trained on the arithmetic task's text,
    with a ChatML chat template, eos `<|im_end|>` and pad `<|pad|>`;
 2. a Qwen2-architecture model (hidden 256, 2 layers, 4/2 heads, tied embeddings: about 1.3M parameters);
 3. a short supervised pre-training on worked answers, stopped early on purpose: the model learns the answer format
