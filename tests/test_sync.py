@@ -61,7 +61,12 @@ def test_reload_sync_puts_the_trained_weights_on_the_server(tiny_server, server_
     assert _mean_abs(served, before) > 0.1, "the step did not move the weights enough to tell"
     assert _mean_abs(before, after) > 0.1
     # every push was timed and sized: 1.27M float32 parameters (tied embeddings sent once)
-    assert trainer.weight_sync.records or json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["sync/count"] >= 1
+    logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert logged["sync/count"] == 1 and logged["sync/seconds"] > 0  # the step's push, logged with the step
+    ((seconds, moved),) = trainer.weight_sync.records  # the manual push above, not yet logged
+    # float32: every parameter once, plus the tied lm_head written out under its own name
+    expected = 4 * (sum(p.numel() for p in trainer.model.parameters()) + trainer.model.lm_head.weight.numel())
+    assert seconds > 0 and moved == expected
     assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["model.safetensors"]
     assert trainer.weight_sync.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
 

@@ -127,6 +127,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _eval_bench(r, concurrencies: list[int]) -> int:
     import json
+    import os
     import platform
 
     from workbench import evaluate, server, tinymodel
@@ -137,7 +138,7 @@ def _eval_bench(r, concurrencies: list[int]) -> int:
     with server.VLLMServer(r, tinymodel.resolve_model_path(r), out_dir) as srv:
         evaluate.preflight(r, srv.url, rows)
         result = evaluate.benchmark(r, srv.url, rows, concurrencies)
-    result["machine"] = f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores, server on {r.devices.server}"
+    result["machine"] = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, server on {r.devices.server}"
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
     print(f"saved: {out_dir / 'bench.json'}")
     return 0

@@ -181,11 +181,9 @@ def check_platform(report: Report, recipe: Recipe, platform: str, devices: list[
         report.add("platform", "platform", FAIL, f"recipe wants {wanted!r}, this machine runs {platform!r}",
                    {"npu": f"on an Ascend host: {SET_ENV}, then check `python -c 'import torch_npu'`",
                     "cuda": "install the cuda extra on an NVIDIA host"}.get(wanted, "use a recipe for this machine"))
-    else:
-        report.add("platform", "platform", PASS, f"{platform}: {len(devices)} device(s): {', '.join(devices[:8])}")
+        return  # the device split is about another machine
+    report.add("platform", "platform", PASS, f"{platform}: {len(devices)} device(s): {', '.join(devices[:8])}")
     server, trainer = set(recipe.devices.server), set(recipe.devices.trainer)
-    if wanted != "auto" and wanted != platform:
-        return
     missing = sorted((server | trainer) - set(range(len(devices))))
     overlap = sorted(server & trainer)
     unit = "cores" if platform == "cpu" else "devices"

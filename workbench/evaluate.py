@@ -398,6 +398,7 @@ def sequential_baseline(recipe: Recipe, url: str, rows: list[dict]) -> float:
     for row in rows:
         requests.post(f"{url}/v1/chat/completions", json={
             "model": recipe.server.served_model_name, "messages": row["prompt"], "max_tokens": recipe.eval.max_tokens,
-            "temperature": recipe.eval.temperature, "seed": recipe.eval.seed}, timeout=120).raise_for_status()
+            "temperature": recipe.eval.temperature, "seed": recipe.eval.seed},
+            headers=server._headers(server.api_key(recipe)), timeout=120).raise_for_status()
     return len(rows) / (time.perf_counter() - started)
 
