@@ -92,8 +92,38 @@ def cmd_train(args: argparse.Namespace) -> int:
     from workbench import recipe, trainer
 
     r = recipe.load(args.recipe, args.overrides)
-    result = trainer.train(r)
+    run_dir = None
+    if args.run_dir:
+        from pathlib import Path
+        from workbench.rundir import write_atomic
+
+        run_dir = Path(args.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "recipe.yaml", r.to_yaml())
+    result = trainer.train(r, run_dir=run_dir)
     print(f"run directory: {result.run_dir}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from workbench.metrics import request_stop
+
+    flag = request_stop(args.run_dir, "workbench stop")
+    print(f"wrote {flag}: the run checkpoints and ends after its current step")
+    return 0
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from pathlib import Path
+    from workbench import advisor, rundata
+
+    if not Path(args.run_dir, "metrics.jsonl").exists():
+        raise WorkbenchError(f"no metrics.jsonl in {args.run_dir}", "pass a training run directory (runs/<id>)")
+    findings = advisor.advise(rundata.load(args.run_dir))
+    for finding in findings:
+        print(finding.text())
+    if not findings:
+        print(f"no problem found by the {len(advisor.RULES)} rules ({', '.join(advisor.RULES)})")
     return 0
 
 
@@ -203,7 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(server.weight_sync), and save checkpoints and the final model (Hugging Face "
                                    "format) in a new run directory under monitor.runs_dir.")
     _add_recipe_args(p)
+    p.add_argument("--run-dir", help="write into this directory (created if missing) instead of a new one")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("stop", help="ask a training run to checkpoint and stop after its current step",
+                       description="Write RUN_DIR/STOP. The trainer checks for it after every optimizer step, saves a "
+                                   "checkpoint, and ends as a finished run would (final model, train.json).")
+    p.add_argument("run_dir", help="the run directory (runs/<id>)")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("advise", help="name the bottleneck of a run from what it recorded",
+                       description="Run the advisor's rules over a run directory's metrics.jsonl, devices.jsonl and "
+                                   "rollout.jsonl: idle inference devices, low server concurrency, long-tail "
+                                   "completions, KL spikes, groups without learning signal, falling or flat reward, "
+                                   "weight sync share. Each finding comes with its evidence and a suggested change.")
+    p.add_argument("run_dir", help="the run directory (runs/<id>)")
+    p.set_defaults(func=cmd_advise)
 
     p = sub.add_parser("env", help="check platform, version chain, Ascend setup, collectives, resources",
                        description="Check, with a fix for each finding: the platform and the recipe's device split; "

@@ -65,6 +65,7 @@ class TinyModelConfig:
     batch_size: int = 32
     learning_rate: float = 2e-3
     warmup_steps: int = 20
+    lr_schedule: str = "cosine"  # cosine (to 10%) | constant (a noisier, higher-entropy policy)
     eval_size: int = 300  # held-out problems scored after pre-training
 
 

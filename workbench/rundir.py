@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -21,5 +22,17 @@ def new_run_dir(recipe: Recipe, kind: str = "train") -> Path:
         suffix += 1
         run_dir = root / f"{stamp}-{recipe.name}-{kind}-{suffix}"
     run_dir.mkdir(parents=True)
-    (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
     return run_dir
+
+
+def write_atomic(path: Path, text: str | bytes) -> Path:
+    """Write through a temporary file and rename: a reader (or a crash) never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(text.encode() if isinstance(text, str) else text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path

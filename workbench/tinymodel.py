@@ -45,7 +45,10 @@ SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 
 
 def settings_key(tiny: TinyModelConfig, data_seed: int, heldout_size: int) -> str:
-    payload = json.dumps({"tiny": asdict(tiny), "data_seed": data_seed, "heldout_size": heldout_size,
+    settings = asdict(tiny)
+    if settings.get("lr_schedule") == "cosine":
+        del settings["lr_schedule"]  # the default before the option existed: keeps earlier caches valid
+    payload = json.dumps({"tiny": settings, "data_seed": data_seed, "heldout_size": heldout_size,
                           "build": BUILD_VERSION}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -123,6 +126,8 @@ def pretrain(model, tokenizer, rows: list[dict], tiny: TinyModelConfig, log=prin
     def rate(s: int) -> float:
         if s < warm:
             return (s + 1) / warm
+        if tiny.lr_schedule == "constant":
+            return 1.0
         return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
@@ -184,6 +189,9 @@ def _count_params(model) -> int:
 
 def ensure(recipe: Recipe, root: Path | None = None, force: bool = False, log=print) -> Path:
     """Build the recipe's tiny model unless an identical one is cached; return its directory."""
+    if recipe.model.tiny.lr_schedule not in ("cosine", "constant"):
+        raise WorkbenchError(f"model.tiny.lr_schedule is {recipe.model.tiny.lr_schedule!r}",
+                             "use cosine or constant")
     target = model_dir(recipe, root)
     info_path = target / INFO_FILE
     if info_path.is_file() and not force:

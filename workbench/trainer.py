@@ -27,10 +27,11 @@ from pathlib import Path
 
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
-from transformers import TrainerCallback
 
 from workbench import dataset, rewards, server, sync, tinymodel
-from workbench.rundir import new_run_dir
+from workbench.metrics import JsonlMetrics, StopFlag
+from workbench.monitor import Monitor
+from workbench.rundir import new_run_dir, write_atomic
 from workbench.errors import WorkbenchError
 from workbench.recipe import Recipe, grpo_config, resolve_platform
 
@@ -79,6 +80,10 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         training_args: GRPOConfig = kwargs["args"]
         wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
         self.weight_sync = weight_sync
+        self._phase_seconds: dict[str, float] = {}
+        self._completion_tokens = 0
+        self._last_log_clock = time.perf_counter()
+        self._steps_at_last_log = 0
         if wants_server:
             training_args.use_vllm = False  # read once, in GRPOTrainer.__init__: skip TRL's NCCL-only client
         try:
@@ -93,31 +98,72 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
                 **vllm_generation_kwargs(self, training_args), weight_sync=weight_sync, api_key=api_key)
             self._last_loaded_step = -1
 
+    # --- the per-step time breakdown: each phase summed between two logs, reported per optimizer step ---------
+
+    def _timed(self, phase: str, started: float) -> None:
+        self._phase_seconds[phase] = self._phase_seconds.get(phase, 0.0) + time.perf_counter() - started
+
+    def _prepare_inputs(self, generation_batch):
+        started = time.perf_counter()
+        try:
+            return super()._prepare_inputs(generation_batch)
+        finally:
+            self._timed("rollout", started)
+
+    def _generate_single_turn(self, *args, **kwargs):
+        started = time.perf_counter()
+        completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+        self._timed("generation", started)  # includes the weight sync, which is subtracted at log time
+        self._completion_tokens += sum(len(ids) for ids in completion_ids)
+        return completion_ids, logprobs
+
+    def _calculate_rewards(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return super()._calculate_rewards(*args, **kwargs)
+        finally:
+            self._timed("reward", started)
+
+    def _step_breakdown(self, pushes: list[tuple[float, int]]) -> dict[str, float]:
+        now, steps = time.perf_counter(), self.state.global_step - self._steps_at_last_log
+        phases, self._phase_seconds = self._phase_seconds, {}
+        tokens, self._completion_tokens = self._completion_tokens, 0
+        wall, self._last_log_clock, self._steps_at_last_log = now - self._last_log_clock, now, self.state.global_step
+        if steps <= 0:
+            return {}
+        sync_s = sum(s for s, _ in pushes)
+        generation = max(0.0, phases.get("generation", 0.0) - sync_s)
+        rollout = phases.get("rollout", 0.0)
+        reward = phases.get("reward", 0.0)
+        out = {
+            "time/step": wall / steps,
+            "time/generation": generation / steps,
+            "time/weight_sync": sync_s / steps,
+            "time/reward": reward / steps,
+            "time/scoring": max(0.0, rollout - generation - sync_s - reward) / steps,
+            "time/optimisation": max(0.0, wall - rollout) / steps,
+            "rollout/completion_tokens": tokens / steps,
+        }
+        if generation > 0:
+            out["rollout/tokens_per_second"] = tokens / generation
+        return out
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         pushes = self.weight_sync.drain()
-        if pushes and "loss" in logs:
-            logs["sync/seconds"] = sum(s for s, _ in pushes) / len(pushes)
-            logs["sync/megabytes"] = sum(b for _, b in pushes) / len(pushes) / 1e6
-            logs["sync/count"] = float(len(pushes))
+        if "loss" in logs:  # a training log line (not the end-of-training summary)
+            logs.update(self._step_breakdown(pushes))
+            if pushes:
+                logs["sync/seconds"] = sum(s for s, _ in pushes) / len(pushes)
+                logs["sync/megabytes"] = sum(b for _, b in pushes) / len(pushes) / 1e6
+                logs["sync/count"] = float(len(pushes))
         elif pushes:  # not a training log line: keep the pushes for the next one
             self.weight_sync.records = pushes + self.weight_sync.records
         super().log(logs, start_time)
 
-
-class JsonlMetrics(TrainerCallback):
-    """Every log line appended to metrics.jsonl and flushed at once: a killed run keeps all it logged."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
-        record = {"step": state.global_step, "time": time.time(), **logs}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+    def train(self, *args, **kwargs):
+        self._last_log_clock = time.perf_counter()  # model loading is not a training step
+        self._steps_at_last_log = self.state.global_step
+        return super().train(*args, **kwargs)
 
 
 @dataclass
@@ -185,22 +231,33 @@ def train(recipe: Recipe, run_dir: Path | None = None, log=print) -> TrainResult
         with _pinned_to_trainer_cores(recipe, platform):
             trainer = build_trainer(recipe, model_path, run_dir / "checkpoints", weight_sync, platform)
             trainer.add_callback(JsonlMetrics(metrics_path))
+            stop_flag = StopFlag(run_dir, log=log)
+            trainer.add_callback(stop_flag)
             log(f"training: {trainer.args.max_steps} steps, weight sync {method!r}, metrics -> {metrics_path}")
+            # started inside the pinned block: the sampler thread shares the trainer's cores, so its cost shows
+            # in the step time it is measured against
+            sampler = Monitor(recipe, run_dir, server_pid=srv.process.pid if srv.process else None,
+                              server_url=srv.url, api_key=srv.key, platform=platform)
             started = time.time()
-            trainer.train()
+            with sampler:
+                trainer.train()
             train_seconds = time.time() - started
         final = run_dir / "final"
         trainer.save_model(str(final))
         trainer.processing_class.save_pretrained(str(final))
         try:
-            (run_dir / "server_metrics.prom").write_text(srv.metrics())
+            write_atomic(run_dir / "server_metrics.prom", srv.metrics())
         except Exception as exc:  # the run is saved; a missing snapshot only costs the rollout summary
             log(f"warning: could not read the server's /metrics ({exc})")
         result = TrainResult(run_dir, final, metrics_path, srv.startup_seconds, train_seconds,
                              trainer.state.global_step)
     summary = {"steps": result.steps, "train_seconds": round(train_seconds, 2),
                "server_start_seconds": srv.startup_seconds, "weight_sync": method, "platform": platform,
-               "final_model": str(final)}
-    (run_dir / "train.json").write_text(json.dumps(summary, indent=2))
-    log(f"done: {result.steps} steps in {train_seconds:.0f}s; final model {final}")
+               "final_model": str(final), "stopped_early_at": stop_flag.stopped_at,
+               "monitor": sampler.overhead()}
+    write_atomic(run_dir / "train.json", json.dumps(summary, indent=2))
+    overhead = sampler.overhead()
+    log(f"done: {result.steps} steps in {train_seconds:.0f}s; final model {final}"
+        + (f"; sampler used {overhead['cpu_seconds']:.2f} CPU-s ({overhead['samples']} samples)"
+           if sampler.enabled else ""))
     return result

@@ -1,0 +1,149 @@
+"""The advisor's rules on synthetic traces that show each problem, and on a healthy run that shows none."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from workbench import advisor, figures, rundata
+from workbench.metrics import append_jsonl
+
+RECIPE = {"trainer": {"per_device_train_batch_size": 32, "num_generations": 8, "max_completion_length": 48,
+                      "beta": 0.04, "learning_rate": 3e-5, "max_steps": 100}}
+
+
+def healthy_metrics(n: int = 30, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        progress = i / n
+        rows.append({
+            "step": (i + 1) * 5, "time": 1000.0 + i * 5, "loss": 0.01,
+            "reward": 0.3 + 0.4 * progress + rng.uniform(-0.02, 0.02),
+            "reward_std": 0.3 - 0.15 * progress, "rewards/correctness/mean": 0.2 + 0.4 * progress,
+            "rewards/format/mean": 0.95, "frac_reward_zero_std": 0.1, "kl": 0.01 + 0.002 * progress,
+            "entropy": 0.3, "completions/mean_length": 30 + rng.uniform(-1, 1), "completions/max_length": 40,
+            "completions/clipped_ratio": 0.0,
+            "time/step": 1.0 + rng.uniform(-0.05, 0.05), "time/generation": 0.35, "time/weight_sync": 0.03,
+            "time/reward": 0.01, "time/scoring": 0.06, "time/optimisation": 0.55,
+        })
+    return rows
+
+
+def busy_devices(n: int = 20, server: float = 70.0, trainer: float = 90.0) -> list[dict]:
+    out = []
+    for i in range(n):
+        out.append({"time": 1000.0 + i, "role": "server", "device": "cpu0", "util_pct": server,
+                    "proc_util_pct": server, "mem_used_mb": 900, "mem_total_mb": 24000})
+        out.append({"time": 1000.0 + i, "role": "trainer", "device": "cpu1", "util_pct": trainer,
+                    "proc_util_pct": trainer, "mem_used_mb": 1500, "mem_total_mb": 24000})
+    return out
+
+
+def full_rollout(n: int = 20, running: float = 30.0) -> list[dict]:
+    return [{"time": 1000.0 + i, "running": running, "waiting": 0.0, "generation_tokens_per_s": 1000.0}
+            for i in range(n)]
+
+
+def rules_fired(metrics=None, devices=None, rollout=None, recipe=RECIPE) -> set[str]:
+    found = advisor.advise(metrics=metrics if metrics is not None else healthy_metrics(),
+                           devices=devices if devices is not None else busy_devices(),
+                           rollout=rollout if rollout is not None else full_rollout(), recipe=recipe)
+    for f in found:
+        assert f.evidence and f.suggestion and f.title
+    return {f.rule for f in found}
+
+
+def test_a_healthy_run_raises_nothing():
+    assert rules_fired() == set()
+
+
+def test_idle_inference_devices():
+    assert rules_fired(devices=busy_devices(server=12.0)) == {"idle_server"}
+    assert rules_fired(devices=busy_devices(server=12.0)[:4]) == set()  # too few samples to judge
+
+
+def test_trainer_waiting_on_a_server_with_few_requests_in_flight():
+    rows = healthy_metrics()
+    for r in rows:
+        r["time/generation"], r["time/optimisation"] = 0.7, 0.2
+    assert rules_fired(metrics=rows, rollout=full_rollout(running=4.0)) == {"low_concurrency"}
+    assert rules_fired(metrics=rows, rollout=full_rollout(running=30.0)) == set()  # generation-bound but full
+    finding = advisor.low_concurrency(advisor.RunRecords(rows, [], full_rollout(running=4.0), RECIPE))
+    assert "4.0 requests" in finding.evidence and "32 completions" in finding.evidence
+
+
+def test_long_tail_completions():
+    rows = healthy_metrics()
+    for r in rows:
+        r["completions/max_length"] = 48
+        r["completions/mean_length"] = 18
+        r["completions/clipped_ratio"] = 0.12
+    finding = advisor.long_tail(advisor.RunRecords(rows, [], [], RECIPE))
+    assert finding is not None and "2.7x" in finding.evidence and "12%" in finding.evidence
+    assert "now 48" in finding.suggestion
+    assert rules_fired(metrics=rows) == {"long_tail"}
+
+
+def test_kl_spikes():
+    rows = healthy_metrics()
+    rows[20]["kl"] = 0.4
+    assert rules_fired(metrics=rows) == {"kl_spikes"}
+    rows[20]["kl"] = 0.03  # three times the median, under the spike factor
+    assert rules_fired(metrics=rows) == set()
+
+
+def test_groups_without_signal():
+    rows = healthy_metrics()
+    for r in rows[20:]:
+        r["frac_reward_zero_std"] = 0.8
+    assert rules_fired(metrics=rows) == {"no_signal"}
+
+
+def test_reward_collapse_and_flat_reward():
+    rows = healthy_metrics()
+    for i, r in enumerate(rows):
+        r["reward"] = 0.6 - 0.5 * (i / len(rows)) ** 2 if i > 5 else 0.6  # peaks early, then falls
+    assert rules_fired(metrics=rows) == {"reward_drop"}
+    flat = healthy_metrics()
+    for r in flat:
+        r["reward"], r["reward_std"] = 0.3, 0.3
+    assert rules_fired(metrics=flat) == {"reward_flat"}
+
+
+def test_weight_sync_share():
+    rows = healthy_metrics()
+    for r in rows:
+        r["time/weight_sync"], r["time/optimisation"] = 0.3, 0.28
+    assert rules_fired(metrics=rows) == {"sync_share"}
+
+
+def test_rules_say_nothing_without_their_data():
+    assert advisor.advise(metrics=[], devices=[], rollout=[]) == []
+
+
+def test_training_figure_from_a_run_directory(tmp_path):
+    for row in healthy_metrics():
+        append_jsonl(tmp_path / "metrics.jsonl", row)
+    for row in busy_devices():
+        append_jsonl(tmp_path / "devices.jsonl", row)
+    for row in full_rollout():
+        append_jsonl(tmp_path / "rollout.jsonl", row)
+    data = rundata.load(tmp_path)
+    fig = figures.training_figure(data)
+    drawn = [ax for ax in fig.axes if ax.lines or ax.collections]
+    assert len(drawn) >= 9  # every panel has a curve (plus twin axes)
+    titles = {ax.get_title() for ax in fig.axes}
+    assert {"reward (mean per completion)", "step time breakdown (s/step)", "device utilization per role (%)",
+            "server requests in flight"} <= titles
+    png = figures.png_bytes(fig)
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+
+
+@pytest.mark.parametrize("missing", ["metrics", "devices", "rollout"])
+def test_figure_survives_missing_records(tmp_path, missing):
+    for name, rows in (("metrics", healthy_metrics()), ("devices", busy_devices()), ("rollout", full_rollout())):
+        if name != missing:
+            for row in rows:
+                append_jsonl(tmp_path / f"{name}.jsonl", row)
+    assert figures.png_bytes(figures.training_figure(rundata.load(tmp_path))).startswith(b"\x89PNG")

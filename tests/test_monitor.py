@@ -1,0 +1,274 @@
+"""Monitoring: metric names, JSONL that survives a kill, device probes, the /metrics scraper, the sampler, STOP."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from test_npusmi import WIDE_DUAL_DIE
+from workbench import metrics, recipe, rollout
+from workbench.probes import ascend, cpu, nvidia
+from workbench.errors import WorkbenchError
+from workbench.npusmi import NpuSmiFormatError
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+NPU_FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "npu-smi"
+
+
+# --- metric names ----------------------------------------------------------------------------------------------
+
+def test_old_and_prefixed_trl_names_are_normalised():
+    old = {"train/completion_length": 31.5, "rewards/correctness": 0.25, "rewards/format": 1.0, "kl": 0.01,
+           "train/reward": 0.4, "clip_ratio": 0.0, "loss": 0.1}
+    new = metrics.normalise(old)
+    assert new == {"completions/mean_length": 31.5, "rewards/correctness/mean": 0.25, "rewards/format/mean": 1.0,
+                   "kl": 0.01, "reward": 0.4, "clip_ratio/region_mean": 0.0, "loss": 0.1}
+    current = {"completions/mean_length": 30.0, "rewards/correctness/mean": 0.5, "rewards/correctness/std": 0.1}
+    assert metrics.normalise(current) == current  # TRL 1.16's own names pass unchanged
+
+
+def test_newer_spelling_wins_when_both_are_logged():
+    assert metrics.normalise({"completion_length": 1.0, "completions/mean_length": 2.0}) == \
+        {"completions/mean_length": 2.0}
+    assert metrics.normalise({"completions/mean_length": 2.0, "completion_length": 1.0}) == \
+        {"completions/mean_length": 2.0}
+
+
+def test_jsonl_readers_skip_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    metrics.append_jsonl(path, {"step": 1, "completion_length": 10})
+    metrics.append_jsonl(path, {"step": 2, "completion_length": 12})
+    with open(path, "a") as f:
+        f.write('{"step": 3, "compl')  # a run killed in the middle of a write
+    rows = metrics.read_jsonl(path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["completions/mean_length"] == 10
+
+    tail = metrics.Tail(path)
+    assert [r["step"] for r in tail.read()] == [1, 2]
+    assert tail.read() == []
+    with open(path, "a") as f:
+        f.write('etion_length": 14}\n')  # the writer finishes the line
+    assert tail.read() == [{"step": 3, "completions/mean_length": 14}]
+
+
+# --- rollout health from /metrics --------------------------------------------------------------------------------
+
+def test_recorded_vllm_metrics_parse_to_their_values():
+    values = rollout.parse((FIXTURES / "vllm-0.32-cpu-metrics.prom").read_text())
+    assert values["running"] == 32.0 and values["waiting"] == 0.0
+    assert values["kv_cache_usage"] == pytest.approx(0.007814407814407787)
+    assert values["preemptions"] == 0.0
+    assert values["prompt_tokens"] == 18936.0 and values["generation_tokens"] == 23306.0
+    assert values["requests_finished"] == 704.0  # summed over finish reasons (stop 704, the others 0)
+
+
+def test_older_vllm_metric_names_are_accepted():
+    text = ("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 3.0\n"
+            "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n")
+    assert rollout.parse(text) == {"running": 3.0, "kv_cache_usage": 0.5}
+
+
+def test_a_page_that_is_not_vllm_metrics_is_an_error():
+    with pytest.raises(WorkbenchError, match="num_requests_running"):
+        rollout.parse("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.0\n")
+
+
+# --- device probes ----------------------------------------------------------------------------------------------
+
+def _npu_recipe(server, trainer):
+    return recipe.load("cpu-tiny", {"devices.platform": "npu", "devices.server": server, "devices.trainer": trainer})
+
+
+def test_ascend_probe_reads_the_recorded_table_with_roles():
+    calls = []
+
+    def runner(*args):
+        calls.append(args)
+        return (NPU_FIXTURES / "info-910b2c-narrow.txt").read_text()
+
+    probe = ascend.AscendProbe(_npu_recipe([0], [1]), runner=runner)
+    samples = probe.sample()
+    assert [(s["device"], s["role"], s["util_pct"], s["mem_used_mb"], s["mem_total_mb"], s["power_w"], s["temp_c"])
+            for s in samples] == [("npu:0", "server", 0.0, 3455, 65536, 94.2, 43.0),
+                                  ("npu:1", "trainer", 0.0, 3434, 65536, 99.0, 45.0)]
+    assert calls == [()]  # AICore is in the table: no per-chip usages call
+
+
+def test_ascend_probe_asks_usages_where_the_table_has_no_aicore():
+    table = WIDE_DUAL_DIE.replace("| 1       1                     | 0000:C2:00.0    | 0   ",
+                                  "| 1       1                     | 0000:C2:00.0    | -   ")
+    usage = (NPU_FIXTURES / "usages-chip0.txt").read_text()
+    usage_chip1 = usage.replace("Aicore Usage Rate(%)           : 0", "Aicore Usage Rate(%)           : 42") \
+                       .replace("Chip ID                        : 0", "Chip ID                        : 1")
+
+    def runner(*args):
+        return usage + "\n" + usage_chip1 if args else table
+
+    samples = ascend.AscendProbe(_npu_recipe([0], [1]), runner=runner).sample()
+    assert [(s["npu"], s["chip"], s["util_pct"]) for s in samples] == [(0, 0, 37.0), (0, 1, 42)]
+
+
+def test_ascend_probe_fails_loudly_on_unknown_output_and_missing_devices():
+    with pytest.raises(NpuSmiFormatError):
+        ascend.AscendProbe(_npu_recipe([0], [1]), runner=lambda *a: "npu-smi 30.0\nsomething else\n").sample()
+    table = (NPU_FIXTURES / "info-910b4-narrow.txt").read_text()
+    with pytest.raises(WorkbenchError, match=r"NPUs \[2, 3\].*2 chips"):
+        ascend.AscendProbe(_npu_recipe([0], [2, 3]), runner=lambda *a: table).sample()
+
+
+class _FakeNvml:
+    """NVML's calls as the probe uses them (no NVIDIA GPU here): two GPUs with fixed readings."""
+    NVML_TEMPERATURE_GPU = 0
+
+    class _Util:
+        def __init__(self, gpu):
+            self.gpu = gpu
+
+    class _Mem:
+        def __init__(self, used, total):
+            self.used, self.total = used, total
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return self._Util([15, 88][h])
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return self._Mem([2 * 2**30, 60 * 2**30][h], 80 * 2**30)
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return [100_000, 350_500][h]
+
+    def nvmlDeviceGetTemperature(self, h, kind):
+        return [40, 71][h]
+
+
+def test_nvidia_probe_maps_roles_and_visible_devices(monkeypatch):
+    r = recipe.load("cpu-tiny", {"devices.platform": "cuda", "devices.server": [0], "devices.trainer": [1]})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")  # logical 0 is physical 1
+    samples = nvidia.NvidiaProbe(r, nvml=_FakeNvml()).sample()
+    assert [(s["device"], s["role"], s["util_pct"], s["mem_used_mb"], s["power_w"], s["temp_c"]) for s in samples] == [
+        ("cuda:0", "server", 88.0, 61440.0, 350.5, 71.0), ("cuda:1", "trainer", 15.0, 2048.0, 100.0, 40.0)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(WorkbenchError, match="CUDA_VISIBLE_DEVICES"):
+        nvidia.NvidiaProbe(r, nvml=_FakeNvml())
+
+
+def test_cpu_probe_tells_the_busy_server_tree_from_the_idle_trainer(cpu_recipe):
+    busy = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        probe = cpu.CpuProbe(cpu_recipe, server_pid=busy.pid, trainer_pid=idle.pid)
+        probe.sample()  # primes the per-process counters
+        time.sleep(1.5)
+        samples = probe.sample()
+    finally:
+        busy.kill(), idle.kill()
+    by_role = {s["role"]: s for s in samples}
+    assert set(by_role) == {"server", "trainer"} and by_role["server"]["device"] == "cpu0"
+    # (thresholds leave room for other load on core 0: the busy loop gets at least a good share of it)
+    assert by_role["server"]["proc_util_pct"] > 30 and by_role["trainer"]["proc_util_pct"] < 5
+    assert by_role["server"]["util_pct"] > 30  # core 0 itself is busy
+    assert 0 < by_role["trainer"]["mem_used_mb"] < by_role["trainer"]["mem_total_mb"]
+
+
+def test_cpu_probe_refuses_cores_the_machine_lacks(cpu_recipe):
+    r = recipe.load("cpu-tiny", {"devices.server": [0], "devices.trainer": [os.cpu_count() + 3]})
+    with pytest.raises(WorkbenchError, match="cores"):
+        cpu.CpuProbe(r)
+
+
+# --- the smoke run's records -------------------------------------------------------------------------------------
+
+def test_smoke_run_records_metrics_devices_and_rollout(smoke_run):
+    run_dir, _ = smoke_run
+    rows = metrics.read_jsonl(run_dir / "metrics.jsonl")
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for row in steps:
+        phases = sum(row[k] for k in ("time/generation", "time/weight_sync", "time/reward", "time/scoring",
+                                      "time/optimisation"))
+        assert row["time/step"] > 0 and phases == pytest.approx(row["time/step"], rel=0.05)
+        assert row["time/generation"] > 0 and row["time/optimisation"] > 0 and row["time/weight_sync"] > 0
+        assert row["rollout/tokens_per_second"] > 0 and row["rollout/completion_tokens"] > 0
+
+    devices = [json.loads(line) for line in (run_dir / "devices.jsonl").read_text().splitlines()]
+    assert {d["role"] for d in devices} == {"server", "trainer"} and not any("error" in d for d in devices)
+    assert all(0 <= d["util_pct"] <= 100 and d["mem_used_mb"] > 0 for d in devices)
+    server_mem = max(d["mem_used_mb"] for d in devices if d["role"] == "server")
+    assert server_mem > 100  # the vLLM process tree, not an empty set of processes
+
+    scraped = [json.loads(line) for line in (run_dir / "rollout.jsonl").read_text().splitlines()]
+    assert scraped and not any("error" in r for r in scraped)
+    assert scraped[-1]["generation_tokens"] > 0 and scraped[-1]["requests_finished"] >= 6  # 3 steps x 2
+    summary = json.loads((run_dir / "train.json").read_text())
+    assert summary["monitor"]["samples"] >= 1 and summary["monitor"]["errors"] == 0
+
+
+# --- a killed run keeps its lines; a STOP file stops cleanly -------------------------------------------------------
+
+def _start_train(workbench_cmd, run_dir, port, *overrides):
+    return subprocess.Popen([*workbench_cmd, "train", "--recipe", "smoke", "--run-dir", str(run_dir),
+                             f"server.port={port}", "trainer.max_steps=400", "monitor.sample_interval_s=0.25",
+                             *overrides], stdout=open(run_dir.parent / f"{run_dir.name}.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for_lines(path: Path, n: int, proc, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and path.read_text().count("\n") >= n:
+            return
+        assert proc.poll() is None, f"training ended early with {proc.returncode}"
+        time.sleep(0.5)
+    raise AssertionError(f"{path} did not reach {n} lines in {timeout}s")
+
+
+def test_killing_the_trainer_leaves_every_line_readable(tmp_path, workbench_cmd, tiny_model_dir):
+    run_dir = tmp_path / "killed"
+    proc = _start_train(workbench_cmd, run_dir, free_port())
+    try:
+        _wait_for_lines(run_dir / "metrics.jsonl", 8, proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the trainer and, through PDEATHSIG, its server
+        proc.wait()
+    for name in ("metrics.jsonl", "devices.jsonl", "rollout.jsonl"):
+        text = (run_dir / name).read_text()
+        lines = text.splitlines()
+        assert lines, name
+        complete = lines if text.endswith("\n") else lines[:-1]
+        assert all(isinstance(json.loads(line), dict) for line in complete), name
+        assert len(metrics.read_jsonl(run_dir / name)) == len(complete)
+    assert not (run_dir / "train.json").exists()
+
+
+def test_stop_file_checkpoints_and_ends_the_run(tmp_path, workbench_cmd, tiny_model_dir):
+    run_dir = tmp_path / "stopped"
+    proc = _start_train(workbench_cmd, run_dir, free_port(), "trainer.save_steps=1000")
+    try:
+        _wait_for_lines(run_dir / "metrics.jsonl", 3, proc)
+        done = subprocess.run([*workbench_cmd, "stop", str(run_dir)], capture_output=True, text=True)
+        assert done.returncode == 0 and "STOP" in done.stdout
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    summary = json.loads((run_dir / "train.json").read_text())
+    stopped = summary["stopped_early_at"]
+    assert 3 <= stopped < 400 and summary["steps"] == stopped
+    assert (run_dir / "checkpoints" / f"checkpoint-{stopped}").is_dir()  # saved by the stop, not by save_steps
+    assert (run_dir / "final" / "model.safetensors").exists()
