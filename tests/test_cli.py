@@ -53,10 +53,7 @@ def test_bad_input_exits_2_with_one_line(workbench_cmd, args, pattern):
     assert len(lines) == 1 and lines[0].startswith("error: ") and pattern in lines[0]
 
 
-def test_run_prints_the_baseline(workbench_cmd, tiny_model_dir, tmp_path):
-    out = run(workbench_cmd, "run", "--recipe", "cpu-tiny", "--stages", "model", f"monitor.runs_dir={tmp_path}")
-    assert out.returncode == 0, out.stderr
-    assert str(tiny_model_dir) in out.stdout
-    assert "baseline held-out exact-match" in out.stdout and "on 300 problems" in out.stdout
-    bad = run(workbench_cmd, "run", "--stages", "model,deploy", f"monitor.runs_dir={tmp_path}")
-    assert bad.returncode == 2 and "unknown stage(s) ['deploy']" in bad.stderr
+def test_run_refuses_unknown_stages_before_any_work(workbench_cmd, tmp_path):
+    bad = run(workbench_cmd, "run", "--stages", "env,deploy", f"monitor.runs_dir={tmp_path}")
+    assert bad.returncode == 2 and "unknown stage(s) ['deploy']" in bad.stderr and "offline" in bad.stderr
+    assert not list(tmp_path.iterdir())  # nothing started, nothing half-written

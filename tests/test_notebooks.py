@@ -9,9 +9,43 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 
 def kernel() -> str:
-    from jupyter_client.kernelspec import KernelSpecManager
+    from workbench.pipeline import kernel_name
 
-    return "grpo-workbench" if "grpo-workbench" in KernelSpecManager().find_kernel_specs() else "python3"
+    return kernel_name()
+
+
+def outputs_of(path: Path) -> list[dict]:
+    nb = json.loads(Path(path).read_text())
+    return [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+
+
+def text_of(outputs: list[dict], mime: str) -> str:
+    out = []
+    for o in outputs:
+        data = o.get("data", {}).get(mime)
+        if data is not None:
+            out.append("".join(data) if isinstance(data, list) else data)
+        if mime == "text/plain" and o.get("output_type") == "stream":
+            out.append("".join(o["text"]) if isinstance(o["text"], list) else o["text"])
+    return "\n".join(out)
+
+
+def test_six_staged_notebooks():
+    from workbench.pipeline import STAGES
+
+    assert [p.stem for p in NOTEBOOKS] == list(STAGES.values())
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_papermill_sees_every_parameter_with_its_type_and_help(path):
+    import papermill
+
+    nb = json.loads(path.read_text())
+    (cell,) = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+    names = [line.split(":")[0] for line in "".join(cell["source"]).splitlines() if line.strip()]
+    inferred = papermill.inspect_notebook(str(path))
+    assert list(inferred) == names  # a line papermill cannot parse would be missing here
+    assert all(p["inferred_type_name"] not in ("None", "") and p["help"] for p in inferred.values())
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -56,3 +90,46 @@ def test_evaluation_notebook_runs_under_papermill(tmp_path, tiny_server):
     assert "| tiny-policy | 32 × 2 |" in markdown
     assert any("image/png" in o.get("data", {}) for o in outputs)
     assert (tmp_path / "run" / "samples.jsonl").read_text().count("\n") == 64
+
+
+def test_offline_generation_notebook(tmp_path, tiny_model_dir):
+    import papermill
+
+    out = tmp_path / "01.ipynb"
+    papermill.execute_notebook(str(REPO / "notebooks" / "01_offline_generation.ipynb"), str(out), kernel_name=kernel(),
+                               parameters={"num_prompts": 6, "run_dir": str(tmp_path / "run")}, cwd=str(tmp_path),
+                               progress_bar=False)
+    outputs = outputs_of(out)
+    assert "| question | completion | gold | correct |" in text_of(outputs, "text/markdown")
+    saved = json.loads((tmp_path / "run" / "offline.json").read_text())
+    assert saved["prompts"] == 6 and saved["format_rate"] >= 0.5 and saved["tokens_per_second"] > 0
+    assert all("<answer>" in r["completion"] for r in saved["rows"] if r["format"] > 0)
+
+
+def test_offline_generation_notebook_fails_loudly(tmp_path, tiny_model_dir):
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    out = tmp_path / "01.ipynb"
+    with pytest.raises(PapermillExecutionError, match="follow the answer format"):
+        papermill.execute_notebook(str(REPO / "notebooks" / "01_offline_generation.ipynb"), str(out),
+                                   kernel_name=kernel(), parameters={"num_prompts": 2, "min_format_rate": 1.01,
+                                                                     "run_dir": str(tmp_path / "run")},
+                                   cwd=str(tmp_path), progress_bar=False)
+
+
+def test_serving_notebook_attached_to_a_running_server(tmp_path, tiny_server):
+    import papermill
+
+    out = tmp_path / "02.ipynb"
+    overrides = ["server.mode=attach", f"server.url={tiny_server.url}"]
+    papermill.execute_notebook(str(REPO / "notebooks" / "02_serving.ipynb"), str(out), kernel_name=kernel(),
+                               parameters={"overrides": overrides, "concurrencies": [1, 8], "num_requests": 16,
+                                           "run_dir": str(tmp_path / "run")}, cwd=str(tmp_path), progress_bar=False)
+    outputs = outputs_of(out)
+    assert "one chat completion: '" in text_of(outputs, "text/plain")
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    assert "| requests in flight | requests/s |" in text_of(outputs, "text/markdown")
+    sweep = json.loads((tmp_path / "run" / "serving.json").read_text())
+    assert set(sweep["by_concurrency"]) == {"1", "8"} and sweep["n"] == 16
+    assert sweep["by_concurrency"]["8"]["requests_per_second"] > sweep["by_concurrency"]["1"]["requests_per_second"]

@@ -18,8 +18,6 @@ from typing import Callable
 from workbench.errors import WorkbenchError
 
 STAGES_TODO = {  # name: (issue, one-line help, description)
-    "report": (5, "rebuild a run's self-contained HTML report",
-               "Rebuild the self-contained HTML report of a run directory (also for a crashed run)."),
     "bench": (None, "compare rollout paths on this machine",
               "Compare rollout paths (in-process, colocated, server) on this machine, as ratios from one run."),
 }
@@ -67,6 +65,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     r = recipe.load(args.recipe, args.overrides)
     stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
     pipeline.run(r, stages)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from workbench import report
+
+    print(report.build(args.run_dir))
     return 0
 
 
@@ -208,14 +213,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even when a cached model matches")
     p.set_defaults(func=cmd_tiny_model)
 
-    p = sub.add_parser("run", help="run the recipe's stages in order: env, model, train, eval",
-                       description="Run the stages of a recipe in order in one run directory: the environment "
-                                   "check, the policy model (built if it is the tiny one; baseline accuracy), GRPO "
-                                   "through the vLLM server, and the evaluation of base vs trained through the server. "
-                                   "The first failing stage stops the run.")
+    p = sub.add_parser("run", help="run the staged notebooks with papermill: env, offline, serving, smoke, train, eval",
+                       description="Execute the staged notebooks in order with papermill on the project's kernel, "
+                                   "into one run directory (runs/<stamp>-<recipe>-run/): environment check, offline "
+                                   "generation, serving and its concurrency sweep, the smoke GRPO run with its "
+                                   "checks, the full GRPO run with the live dashboard, and base vs trained "
+                                   "evaluation through the server. Each executed notebook is kept and exported to "
+                                   "HTML; the first failing stage stops the run and names its notebook and log; "
+                                   "report.html is written either way.")
     _add_recipe_args(p)
-    p.add_argument("--stages", help="comma-separated subset, e.g. env,model (default: all)")
+    p.add_argument("--stages", help="comma-separated subset of env,offline,serving,smoke,train,eval (default: all)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("report", help="(re)build a run's self-contained HTML report",
+                       description="Write RUN_DIR/report.html from what the run directory holds: outcome, stages, "
+                                   "evaluation before vs after, training curves, step-time breakdown, advisor "
+                                   "findings, sample completions, smoke checks, serving sweep, environment and the "
+                                   "resolved recipe. Works for a crashed or stopped run too; no external URLs.")
+    p.add_argument("run_dir", help="a run directory (from `workbench run` or `workbench train`)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("serve", help="start (or check) the recipe's vLLM server and keep it running",
                        description="Start the recipe's vLLM server (vllm serve on CUDA/Ascend, the workbench's "

@@ -392,6 +392,39 @@ def benchmark(recipe: Recipe, url: str, rows: list[dict], concurrencies: list[in
     return result
 
 
+def benchmark_table(result: dict) -> str:
+    lines = [f"| requests in flight | requests/s | tokens/s | vs sequential loop |", "|---|---|---|---|",
+             f"| sequential loop | {result['sequential_requests_per_second']:.1f} | – | ×1.00 |"]
+    for c, row in sorted(result["by_concurrency"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {c} | {row['requests_per_second']:.1f} | {row['tokens_per_second']:.0f} | "
+                     f"×{row['speedup_vs_sequential']:.2f} |")
+    return "\n".join(lines)
+
+
+def benchmark_figure(result: dict, path: Path) -> Path:
+    """Throughput against requests in flight, with the sequential loop as the reference line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(result["by_concurrency"].items(), key=lambda kv: int(kv[0]))
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    ax.plot([int(c) for c, _ in rows], [r["requests_per_second"] for _, r in rows], marker="o", label="evaluator")
+    ax.axhline(result["sequential_requests_per_second"], color="gray", ls="--", label="sequential loop")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("requests / s")
+    ax.set_title(f"server throughput vs concurrency ({result['n']} requests each)")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".partial.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
 def sequential_baseline(recipe: Recipe, url: str, rows: list[dict]) -> float:
     """Requests per second of a plain loop, one request at a time (the benchmark's reference point)."""
     started = time.perf_counter()

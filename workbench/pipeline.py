@@ -1,68 +1,186 @@
-"""The stages of a recipe, run in order in one run directory: env check, model, GRPO, evaluation.
+"""`workbench run`: the staged notebooks, executed in order with papermill, into one run directory.
 
-    workbench run --recipe cpu-tiny                    # what `make demo` runs
-    workbench run --recipe smoke --stages env,model,train
+    workbench run --recipe cpu-tiny                          # what `make demo` runs: all six stages
+    workbench run --recipe cpu-tiny --stages env,offline     # a subset, in the canonical order
+    workbench run --recipe cpu-tiny trainer.max_steps=50     # overrides reach every notebook
 
-Each stage writes into the run directory (env.json, the server logs, metrics.jsonl, final/, eval/) and the first
-failing stage stops the run with its message. The staged notebooks drive the same functions.
+Each stage is a notebook in notebooks/, run on the project's kernel with the recipe, the overrides and its own
+output directory as parameters:
+
+    runs/<stamp>-<recipe>-run/
+        recipe.yaml  environment.json  run.json  report.html  report.png (from the report test)
+        notebooks/NN_*.ipynb + .html    logs/NN_*.log (the notebook's stdout and stderr, as it runs)
+        env.json  offline/  serving/  smoke/  train/ (metrics.jsonl, devices.jsonl, rollout.jsonl, final/ ...)  eval/
+
+The first failing stage stops the run: its executed notebook keeps the traceback, the message names the stage,
+the notebook and the log, and the report is still written from whatever the run produced.
 """
 from __future__ import annotations
 
 import json
+import os
+import platform as platform_module
+import sys
 import time
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import Recipe
 
-STAGES = ("env", "model", "train", "eval")
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+STAGES = {
+    "env": "00_env_check",
+    "offline": "01_offline_generation",
+    "serving": "02_serving",
+    "smoke": "03_smoke_grpo",
+    "train": "04_full_grpo",
+    "eval": "05_evaluation",
+}
+KERNEL = "grpo-workbench"
+# Environment variables worth recording (values of secret-looking names are redacted in the report too).
+RECORDED_PREFIXES = ("CUDA_", "ASCEND_", "HCCL_", "NCCL_", "VLLM_", "OMP_", "PYTORCH_", "TORCH_", "HF_", "WORKBENCH_")
 
 
-def run(recipe: Recipe, stages: list[str] | None = None, log=print) -> Path:
-    from workbench import env, evaluate, tinymodel, trainer
-    from workbench.rundir import new_run_dir
+def kernel_name() -> str:
+    """The project's kernel when registered (make install does it), else the default python3 kernel."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    return KERNEL if KERNEL in KernelSpecManager().find_kernel_specs() else "python3"
+
+
+def environment_summary() -> dict:
+    from workbench import env
+    from workbench.report import redact
+
+    import psutil
+
+    variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_PREFIXES)}
+    return {"python": sys.version.split()[0], "machine": platform_module.platform(),
+            "cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "versions": {k: v for k, v in env.installed_versions().items() if v},
+            "variables": redact(variables), "kernel": kernel_name()}
+
+
+def stage_parameters(stage: str, recipe_arg: str, overrides: list[str], run_dir: Path, recipe: Recipe) -> dict:
+    params: dict = {"recipe": recipe_arg, "overrides": list(overrides)}
+    if stage == "env":
+        params["run_dir"] = str(run_dir)
+    elif stage == "eval":
+        params["run_dir"] = str(run_dir / "eval")
+        models = {"base": recipe.model.path}
+        if (run_dir / "train" / "final" / "model.safetensors").exists():
+            models["trained"] = str(run_dir / "train" / "final")
+        params["models"] = models
+    else:
+        params["run_dir"] = str(run_dir / {"offline": "offline", "serving": "serving", "smoke": "smoke",
+                                           "train": "train"}[stage])
+    return params
+
+
+def export_html(notebook: Path) -> Path:
+    """The executed notebook as HTML next to it (no CDN: MathJax and require.js are left out)."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(mathjax_url="", require_js_url="", exclude_input_prompt=False)
+    body, _ = exporter.from_notebook_node(nbformat.read(str(notebook), as_version=4))
+    target = notebook.with_suffix(".html")
+    from workbench.rundir import write_atomic
+    return write_atomic(target, body)
+
+
+def _error_of(notebook: Path) -> str:
+    """The first error output of an executed notebook, as 'Name: value'."""
+    try:
+        nb = json.loads(notebook.read_text())
+    except (OSError, json.JSONDecodeError):
+        return ""
+    for cell in nb.get("cells", []):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                return f"{out.get('ename')}: {out.get('evalue')}"[:500]
+    return ""
+
+
+def run(recipe: Recipe, stages: list[str] | None = None, recipe_arg: str | None = None,
+        overrides: list[str] | None = None, log=print) -> Path:
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    from workbench import report
+    from workbench.rundir import new_run_dir, write_atomic
 
     stages = list(stages or STAGES)
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise WorkbenchError(f"unknown stage(s) {unknown}", f"choose from {', '.join(STAGES)}")
-    if "train" in stages and "model" not in stages:
-        stages.insert(stages.index("train"), "model")
-    run_dir = new_run_dir(recipe, "run")
-    timings: dict[str, float] = {}
-    log(f"run directory: {run_dir}")
-    model_path = None
-    final = None
-    for stage in stages:
-        started = time.time()
-        log(f"== {stage}")
-        if stage == "env":
-            report = env.check(recipe)
-            report.save(run_dir / "env.json")
-            log(report.to_text())
-            if not report.ok:
-                raise WorkbenchError("the environment check failed: " + "; ".join(c.name for c in report.failures()),
-                                     "apply the fixes it lists, then run again")
-        elif stage == "model":
-            model_path = tinymodel.resolve_model_path(recipe, log=log)
-            log(f"model: {model_path}")
-            if recipe.model.path == "tiny":
-                held = tinymodel.info(Path(model_path))["heldout"]
-                log(f"baseline held-out exact-match {held['accuracy']:.1%} on {held['n']} problems "
-                    f"(format followed {held['format_rate']:.1%}), greedy, in-process")
-        elif stage == "train":
-            final = trainer.train(recipe, run_dir=run_dir, log=log).final_model
-        elif stage == "eval":
-            models = {"base": model_path or tinymodel.resolve_model_path(recipe, log=log)}
-            if final is not None:
-                models["trained"] = str(final)
-            summaries = evaluate.evaluate(recipe, models, out_dir=run_dir / "eval", log=log)
-            if len(summaries) == 2:
-                gain = summaries[1].accuracy_mean - summaries[0].accuracy_mean
-                log(f"accuracy {summaries[0].accuracy_mean:.1%} -> {summaries[1].accuracy_mean:.1%} "
-                    f"({gain * 100:+.1f} points) on {summaries[0].n} held-out problems")
-        timings[stage] = round(time.time() - started, 1)
-    (run_dir / "run.json").write_text(json.dumps({"stages": stages, "seconds": timings}, indent=2))
-    log(f"stage times (s): {timings}")
-    log(f"run directory: {run_dir}")
+    stages = [s for s in STAGES if s in stages]  # canonical order: eval after train, whatever was typed
+    missing = [STAGES[s] for s in stages if not (NOTEBOOK_DIR / f"{STAGES[s]}.ipynb").exists()]
+    if missing:
+        raise WorkbenchError(f"notebooks missing: {missing}", f"run from a checkout that has {NOTEBOOK_DIR}")
+    kernel = kernel_name()
+    run_dir = new_run_dir(recipe, "run").resolve()
+    # the notebooks load the resolved recipe: a name that means something else tomorrow cannot change this run
+    recipe_arg = str(run_dir / "recipe.yaml")
+    overrides = []
+    for sub in ("notebooks", "logs"):
+        (run_dir / sub).mkdir()
+    write_atomic(run_dir / "environment.json", json.dumps(environment_summary(), indent=2))
+    record: dict = {"recipe": recipe.name, "stages": stages, "kernel": kernel, "results": {}, "started": time.time()}
+    log(f"run directory: {run_dir}  (kernel {kernel}; stages {', '.join(stages)})")
+    try:
+        for stage in stages:
+            name = STAGES[stage]
+            executed = run_dir / "notebooks" / f"{name}.ipynb"
+            stage_log = run_dir / "logs" / f"{name}.log"
+            started = time.time()
+            log(f"== {stage}: {name}.ipynb  (log: {stage_log})")
+            result = {"status": "running", "notebook": f"notebooks/{name}.ipynb", "log": f"logs/{name}.log"}
+            record["results"][stage] = result
+            write_atomic(run_dir / "run.json", json.dumps(record, indent=2))
+            try:
+                with open(stage_log, "w") as out:
+                    papermill.execute_notebook(
+                        str(NOTEBOOK_DIR / f"{name}.ipynb"), str(executed), kernel_name=kernel,
+                        parameters=stage_parameters(stage, recipe_arg, overrides, run_dir, recipe),
+                        cwd=os.getcwd(), progress_bar=False, log_output=False, stdout_file=out, stderr_file=out)
+                result["status"] = "passed"
+            except PapermillExecutionError as exc:
+                result["status"] = "failed"
+                record["failed_stage"] = stage
+                record["error"] = f"{exc.ename}: {exc.evalue}"[:500] or _error_of(executed)
+            finally:
+                result["seconds"] = round(time.time() - started, 1)
+                if executed.exists():
+                    try:
+                        result["html"] = str(export_html(executed).relative_to(run_dir))
+                    except Exception as exc:  # an export problem must not hide the stage's own result
+                        log(f"   (HTML export failed: {exc})")
+            log(f"   {stage}: {result['status']} in {result['seconds']:.0f}s")
+            if result["status"] == "failed":
+                write_atomic(run_dir / "run.json", json.dumps(record, indent=2))
+                report_path = report.build(run_dir)
+                raise WorkbenchError(
+                    f"stage '{stage}' failed: {record['error']}",
+                    f"read the traceback in {executed} (HTML: {executed.with_suffix('.html')}) and the log "
+                    f"{stage_log}; the report so far is {report_path}")
+    finally:
+        record["seconds"] = round(time.time() - record["started"], 1)
+        write_atomic(run_dir / "run.json", json.dumps(record, indent=2))
+    report_path = report.build(run_dir)
+    _print_outcome(run_dir, log)
+    log(f"stage times (s): " + ", ".join(f"{s} {record['results'][s]['seconds']:.0f}" for s in stages))
+    log(f"report: {report_path}")
     return run_dir
+
+
+def _print_outcome(run_dir: Path, log) -> None:
+    try:
+        evals = json.loads((run_dir / "eval" / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    by_model = {e["model"]: e for e in evals}
+    if "base" in by_model and "trained" in by_model:
+        base, trained = by_model["base"], by_model["trained"]
+        log(f"held-out accuracy {100 * base['accuracy_mean']:.1f}% -> {100 * trained['accuracy_mean']:.1f}% "
+            f"({100 * (trained['accuracy_mean'] - base['accuracy_mean']):+.1f} points) on {trained['n']} problems")

@@ -1,0 +1,177 @@
+"""`workbench run` for real: the staged notebooks under papermill into one run directory, and its report."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from test_notebooks import outputs_of, text_of
+
+SECRET = "sk-workbench-test-7f3a9c"
+
+
+def run_pipeline(workbench_cmd, runs: Path, stages: str, *overrides, env=None):
+    return subprocess.run([*workbench_cmd, "run", "--recipe", "cpu-tiny", "--stages", stages,
+                           f"monitor.runs_dir={runs}", *overrides], capture_output=True, text=True, timeout=1500,
+                          env=env)
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory, tiny_model_dir):
+    """env, smoke, train and eval through `workbench run`, smoke-sized: (run directory, completed process)."""
+    runs = tmp_path_factory.mktemp("pipeline-runs")
+    script = Path(sys.executable).parent / "workbench"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "workbench"]
+    env = {**os.environ, "WORKBENCH_TEST_API_KEY": SECRET}
+    done = run_pipeline(cmd, runs, "env,smoke,train,eval", f"server.port={free_port()}", "trainer.max_steps=8",
+                        "trainer.logging_steps=2", "trainer.save_steps=4", "eval.num_samples=24",
+                        "monitor.sample_interval_s=0.5", env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = runs.iterdir()
+    return run_dir, done
+
+
+def test_pipeline_runs_the_notebooks_into_one_run_directory(pipeline_run):
+    run_dir, done = pipeline_run
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["stages"] == ["env", "smoke", "train", "eval"] and "failed_stage" not in record
+    for stage, name in (("env", "00_env_check"), ("smoke", "03_smoke_grpo"), ("train", "04_full_grpo"),
+                        ("eval", "05_evaluation")):
+        assert record["results"][stage]["status"] == "passed"
+        executed = run_dir / "notebooks" / f"{name}.ipynb"
+        assert executed.exists() and (run_dir / "notebooks" / f"{name}.html").exists()
+        assert (run_dir / "logs" / f"{name}.log").exists()
+        nb = json.loads(executed.read_text())
+        assert any("injected-parameters" in c["metadata"].get("tags", []) for c in nb["cells"])
+    assert "report: " in done.stdout and str(run_dir / "report.html") in done.stdout
+    assert "held-out accuracy" in done.stdout and "points) on 24 problems" in done.stdout
+
+
+def test_pipeline_stage_outputs(pipeline_run):
+    run_dir, _ = pipeline_run
+    # smoke: every check passed, shown as a table
+    checks = json.loads((run_dir / "smoke" / "smoke_checks.json").read_text())
+    assert [c["name"] for c in checks if not c["ok"]] == [] and len(checks) == 6
+    assert "| loss finite | pass |" in text_of(outputs_of(run_dir / "notebooks" / "03_smoke_grpo.ipynb"), "text/markdown")
+    # train: the dashboard left a static PNG, the summary table and the advisor in the executed notebook
+    outputs = outputs_of(run_dir / "notebooks" / "04_full_grpo.ipynb")
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    html = text_of(outputs, "text/html")
+    assert "step time (s)" in html and "Advisor" in html
+    summary = json.loads((run_dir / "train" / "train.json").read_text())
+    assert summary["steps"] == 8 and summary["monitor"]["samples"] > 0
+    roles = {json.loads(line)["role"] for line in (run_dir / "train" / "devices.jsonl").read_text().splitlines()}
+    assert roles == {"server", "trainer"}
+    assert (run_dir / "train" / "rollout.jsonl").read_text().count("\n") > 0
+    # eval: base and trained, both through the server
+    evals = json.loads((run_dir / "eval" / "summary.json").read_text())
+    assert [e["model"] for e in evals] == ["base", "trained"] and all(e["n"] == 24 and e["errors"] == 0 for e in evals)
+
+
+def test_run_directory_keeps_the_environment_with_secrets_redacted(pipeline_run):
+    run_dir, _ = pipeline_run
+    environment = json.loads((run_dir / "environment.json").read_text())
+    assert environment["versions"]["trl"] == "1.16.0" and environment["kernel"]
+    assert environment["variables"]["WORKBENCH_TEST_API_KEY"] == "<redacted>"
+    for path in run_dir.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".html", ".ipynb", ".log", ".jsonl", ".yaml"):
+            assert SECRET not in path.read_text(errors="replace"), path
+
+
+def test_report_is_self_contained(pipeline_run):
+    import re
+
+    run_dir, _ = pipeline_run
+    page = (run_dir / "report.html").read_text()
+    for section in ("Stages", "Evaluation through the server", "Training", "Step-time breakdown", "Advisor",
+                    "Smoke run checks", "Environment and versions", "Recipe (resolved)"):
+        assert f">{section}" in page, section
+    assert "held-out accuracy" in page and "points</b>" in page
+    assert page.count("data:image/png;base64,") >= 2  # training curves and the accuracy comparison
+    external = re.findall(r"""(?:src|href)\s*=\s*['"]?(?:https?:)?//""", page)
+    external += re.findall(r"""url\(\s*['"]?(?:https?:)?//""", page)
+    assert external == []
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def test_report_renders_in_headless_chromium_without_network(pipeline_run, tmp_path):
+    """Open report.html in Chromium with every network request sent to a local recording proxy."""
+    import http.server
+    import socketserver
+    import threading
+
+    from PIL import Image
+
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("NO CHROMIUM on this machine: the report was not checked in a browser "
+                    "(.ci/run installs Debian's chromium package; `apt-get install chromium` here)")
+    run_dir, _ = pipeline_run
+    requests_seen: list[str] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            requests_seen.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        do_CONNECT = do_POST = do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    with socketserver.TCPServer(("127.0.0.1", 0), Recorder) as proxy:
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--no-first-run",
+                 "--disable-default-apps", "--disable-sync", "--metrics-recording-only",
+                 f"--proxy-server=http://127.0.0.1:{proxy.server_address[1]}", "--proxy-bypass-list=<-loopback>",
+                 f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000"]
+        url = (run_dir / "report.html").resolve().as_uri()
+        dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+        shot = run_dir / "report.png"
+        subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1280,2400", url],
+                       capture_output=True, text=True, timeout=120)
+        proxy.shutdown()
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    import re
+    figures = re.search(r'data-figures="(\d+)"', dom.stdout)
+    rendered = re.search(r'data-figures-rendered="(\d+)"', dom.stdout)
+    assert figures and rendered, "the page's load script did not run"
+    assert int(figures.group(1)) >= 2 and rendered.group(1) == figures.group(1)  # every figure decoded
+    assert requests_seen == [], f"the report asked the network for {requests_seen}"
+    image = Image.open(shot).convert("L")
+    assert image.size == (1280, 2400)
+    low, high = image.getextrema()
+    assert high - low > 100  # not a blank page
+
+
+def test_failing_stage_stops_the_run_and_names_its_notebook(workbench_cmd, tmp_path, tiny_model_dir):
+    missing = tmp_path / "no-such-model"
+    done = run_pipeline(workbench_cmd, tmp_path / "runs", "env,offline,serving", f"model.path={missing}")
+    assert done.returncode == 2
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert f"model.path {missing} does not exist" in record["error"]
+    assert record["failed_stage"] == "offline" and record["results"]["env"]["status"] == "passed"
+    assert "serving" not in record["results"]  # stopped at the first failure
+    executed = run_dir / "notebooks" / "01_offline_generation.ipynb"
+    errors = [o for o in outputs_of(executed) if o.get("output_type") == "error"]
+    assert errors and (run_dir / "notebooks" / "01_offline_generation.html").exists()
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: stage 'offline' failed") and str(executed) in message
+    assert "logs/01_offline_generation.log" in message and (run_dir / "report.html").exists()
+    assert "stage 'offline' failed" in (run_dir / "report.html").read_text()
