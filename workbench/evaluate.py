@@ -393,7 +393,7 @@ def benchmark(recipe: Recipe, url: str, rows: list[dict], concurrencies: list[in
 
 
 def benchmark_table(result: dict) -> str:
-    lines = [f"| requests in flight | requests/s | tokens/s | vs sequential loop |", "|---|---|---|---|",
+    lines = ["| requests in flight | requests/s | tokens/s | vs sequential loop |", "|---|---|---|---|",
              f"| sequential loop | {result['sequential_requests_per_second']:.1f} | – | ×1.00 |"]
     for c, row in sorted(result["by_concurrency"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"| {c} | {row['requests_per_second']:.1f} | {row['tokens_per_second']:.0f} | "

@@ -169,7 +169,7 @@ def run(recipe: Recipe, stages: list[str] | None = None, recipe_arg: str | None 
         write_atomic(run_dir / "run.json", json.dumps(record, indent=2))
     report_path = report.build(run_dir)
     _print_outcome(run_dir, log)
-    log(f"stage times (s): " + ", ".join(f"{s} {record['results'][s]['seconds']:.0f}" for s in stages))
+    log("stage times (s): " + ", ".join(f"{s} {record['results'][s]['seconds']:.0f}" for s in stages))
     log(f"report: {report_path}")
     return run_dir
 
