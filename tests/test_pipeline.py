@@ -107,24 +107,17 @@ def _chromium() -> str | None:
     return None
 
 
-def test_report_renders_in_headless_chromium_without_network(pipeline_run, tmp_path):
-    """Open report.html in Chromium with every network request sent to a local recording proxy."""
+def _browse(browser: str, url: str, profile: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Open url headless with every network request sent to a local proxy that records it and answers 404."""
     import http.server
     import socketserver
     import threading
 
-    from PIL import Image
-
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("NO CHROMIUM on this machine: the report was not checked in a browser "
-                    "(.ci/run installs Debian's chromium package; `apt-get install chromium` here)")
-    run_dir, _ = pipeline_run
-    requests_seen: list[str] = []
+    seen: list[str] = []
 
     class Recorder(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            requests_seen.append(self.path)
+            seen.append(self.path)  # a URL for http, host:port for an https CONNECT
             self.send_response(404)
             self.end_headers()
 
@@ -137,26 +130,63 @@ def test_report_renders_in_headless_chromium_without_network(pipeline_run, tmp_p
         threading.Thread(target=proxy.serve_forever, daemon=True).start()
         flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-background-networking", "--disable-component-update", "--no-first-run",
-                 "--disable-default-apps", "--disable-sync", "--metrics-recording-only",
+                 "--disable-default-apps", "--disable-sync", "--disable-extensions", "--no-pings",
+                 "--disable-features=NetworkTimeServiceQuerying,OptimizationHints,MediaRouter,Translate",
                  f"--proxy-server=http://127.0.0.1:{proxy.server_address[1]}", "--proxy-bypass-list=<-loopback>",
-                 f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000"]
-        url = (run_dir / "report.html").resolve().as_uri()
-        dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
-        shot = run_dir / "report.png"
-        subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1280,2400", url],
-                       capture_output=True, text=True, timeout=120)
+                 f"--user-data-dir={profile}", "--virtual-time-budget=5000", *extra]
+        done = subprocess.run([browser, *flags, url], capture_output=True, text=True, timeout=120)
         proxy.shutdown()
-    assert dom.returncode == 0, dom.stderr[-2000:]
+    return done, seen
+
+
+def _host(request: str) -> str:
+    from urllib.parse import urlsplit
+
+    return urlsplit(request).hostname if "://" in request else request.rsplit(":", 1)[0]
+
+
+def test_report_renders_in_headless_chromium_without_network(pipeline_run, tmp_path):
+    """The report in a real browser: every figure decodes, no request leaves the machine, a screenshot is kept."""
     import re
+
+    from PIL import Image
+
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("NO CHROMIUM on this machine: the report was not checked in a browser "
+                    "(.ci/run installs Debian's chromium package; `apt-get install chromium` here)")
+    run_dir, _ = pipeline_run
+    url = (run_dir / "report.html").resolve().as_uri()
+    # Chromium phones home by itself (www/accounts.google.com) even for a blank page: measure that first, so
+    # only what the report asks for counts
+    blank = tmp_path / "blank.html"
+    blank.write_text("<html><body>blank</body></html>")
+    _, own = _browse(browser, blank.as_uri(), tmp_path / "p0", "--dump-dom")
+    dom, seen = _browse(browser, url, tmp_path / "p1", "--dump-dom")
+    shot = run_dir / "report.png"
+    _browse(browser, url, tmp_path / "p2", f"--screenshot={shot}", "--window-size=1280,2400")
+    assert dom.returncode == 0, dom.stderr[-2000:]
     figures = re.search(r'data-figures="(\d+)"', dom.stdout)
     rendered = re.search(r'data-figures-rendered="(\d+)"', dom.stdout)
     assert figures and rendered, "the page's load script did not run"
     assert int(figures.group(1)) >= 2 and rendered.group(1) == figures.group(1)  # every figure decoded
-    assert requests_seen == [], f"the report asked the network for {requests_seen}"
+    browser_hosts = {_host(r) for r in own}
+    from_page = [r for r in seen if _host(r) not in browser_hosts]
+    assert from_page == [], f"the report asked the network for {from_page}"
     image = Image.open(shot).convert("L")
     assert image.size == (1280, 2400)
     low, high = image.getextrema()
     assert high - low > 100  # not a blank page
+
+
+def test_the_network_check_catches_an_external_resource(tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("NO CHROMIUM on this machine")
+    page = tmp_path / "leaky.html"
+    page.write_text("<html><body><img src='http://cdn.example.org/plot.png'></body></html>")
+    _, seen = _browse(browser, page.as_uri(), tmp_path / "p", "--dump-dom")
+    assert "http://cdn.example.org/plot.png" in seen
 
 
 def test_failing_stage_stops_the_run_and_names_its_notebook(workbench_cmd, tmp_path, tiny_model_dir):
