@@ -77,7 +77,9 @@ def smoke_run(tmp_path_factory, tiny_model_dir):
     port = free_port()
     script = VENV_BIN / "workbench"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "workbench"]
-    out = subprocess.run([*cmd, "train", "--recipe", "smoke", f"server.port={port}", f"monitor.runs_dir={runs}"],
+    # report_to: the user's tracker runs alongside the workbench's own metrics.jsonl
+    out = subprocess.run([*cmd, "train", "--recipe", "smoke", f"server.port={port}", f"monitor.runs_dir={runs}",
+                          "trainer.report_to=tensorboard"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir,) = [p for p in runs.iterdir() if p.name.endswith("-smoke-train")]

@@ -219,6 +219,19 @@ def test_smoke_run_records_metrics_devices_and_rollout(smoke_run):
     assert summary["monitor"]["samples"] >= 1 and summary["monitor"]["errors"] == 0
 
 
+def test_report_to_passes_through_next_to_the_workbench_metrics(smoke_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _ = smoke_run
+    (events,) = (run_dir / "checkpoints" / "runs").rglob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    tags = accumulator.Tags()["scalars"]
+    assert "train/reward" in tags and "train/time/step" in tags  # TRL's and the workbench's, in the user's tracker
+    assert [e.step for e in accumulator.Scalars("train/loss")] == [1, 2, 3]
+    assert (run_dir / "metrics.jsonl").read_text().count('"loss"') == 3
+
+
 # --- a killed run keeps its lines; a STOP file stops cleanly -------------------------------------------------------
 
 def _start_train(workbench_cmd, run_dir, port, *overrides):
@@ -254,6 +267,10 @@ def test_killing_the_trainer_leaves_every_line_readable(tmp_path, workbench_cmd,
         assert all(isinstance(json.loads(line), dict) for line in complete), name
         assert len(metrics.read_jsonl(run_dir / name)) == len(complete)
     assert not (run_dir / "train.json").exists()
+    from workbench import report
+
+    page = report.build(run_dir).read_text()  # a report of what the killed run wrote
+    assert "did not finish" in page and "data:image/png;base64," in page
 
 
 def test_stop_file_checkpoints_and_ends_the_run(tmp_path, workbench_cmd, tiny_model_dir):

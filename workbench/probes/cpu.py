@@ -23,6 +23,7 @@ class CpuProbe:
         self.roles = roles(recipe)
         self.root_pids = {"server": server_pid, "trainer": trainer_pid or os.getpid()}
         self._procs: dict[int, psutil.Process] = {}
+        self._trees: dict[int, tuple[float, list[psutil.Process]]] = {}
         self.total_mb = psutil.virtual_memory().total / 2**20
         ncores = psutil.cpu_count() or 1
         missing = [d for d in self.roles if d >= ncores]
@@ -35,13 +36,18 @@ class CpuProbe:
     def _tree(self, pid: int | None) -> list[psutil.Process]:
         if pid is None:
             return []
+        cached = self._trees.get(pid)
+        if cached and time.time() - cached[0] < 10:  # walking /proc for children costs more than the sample
+            return cached[1]
         try:
             root = self._procs.get(pid) or self._procs.setdefault(pid, psutil.Process(pid))
             members = [root] + root.children(recursive=True)
         except psutil.NoSuchProcess:
             return []
         # keep the same Process objects between samples: cpu_percent() measures since that object's last call
-        return [self._procs.setdefault(p.pid, p) for p in members]
+        tree = [self._procs.setdefault(p.pid, p) for p in members]
+        self._trees[pid] = (time.time(), tree)
+        return tree
 
     def _usage(self, role: str) -> tuple[float, float]:
         cpu = rss = 0.0
