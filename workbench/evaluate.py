@@ -315,10 +315,8 @@ def comparison_table(summaries: list[Summary]) -> str:
 
 
 def comparison_figure(summaries: list[Summary], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from workbench import figures
+    plt = figures.plt
 
     fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(summaries)), 3.2))
     names = [s.model for s in summaries]
@@ -331,11 +329,7 @@ def comparison_figure(summaries: list[Summary], path: Path) -> Path:
     ax.set_ylim(0, min(100, max(means + [10]) * 1.25 + 5))
     ax.set_title(f"held-out accuracy, {summaries[0].n} problems × {summaries[0].repeats}")
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".partial.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return figures.save_png(fig, path, dpi=110)
 
 
 def evaluate(recipe: Recipe, models: dict[str, str] | None = None, out_dir: Path | None = None,
@@ -403,10 +397,8 @@ def benchmark_table(result: dict) -> str:
 
 def benchmark_figure(result: dict, path: Path) -> Path:
     """Throughput against requests in flight, with the sequential loop as the reference line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from workbench import figures
+    plt = figures.plt
 
     rows = sorted(result["by_concurrency"].items(), key=lambda kv: int(kv[0]))
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
@@ -418,11 +410,7 @@ def benchmark_figure(result: dict, path: Path) -> Path:
     ax.set_title(f"server throughput vs concurrency ({result['n']} requests each)")
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".partial.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return figures.save_png(fig, path, dpi=100)
 
 
 def sequential_baseline(recipe: Recipe, url: str, rows: list[dict]) -> float:

@@ -150,3 +150,10 @@ def png_bytes(fig, dpi: int = 80) -> bytes:
     fig.savefig(buffer, format="png", dpi=dpi)
     plt.close(fig)
     return buffer.getvalue()
+
+
+def save_png(fig, path, dpi: int = 100):
+    """Write the figure atomically (a reader never sees half a PNG) and close it."""
+    from workbench.rundir import write_atomic
+
+    return write_atomic(path, png_bytes(fig, dpi=dpi))
