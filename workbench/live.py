@@ -142,7 +142,7 @@ class Dashboard:
         self.stop_button.description = "stopping after this step…"
 
     def _update(self) -> None:
-        from IPython.display import Image, display
+        from IPython.display import Image
 
         self.data.refresh()
         prog = self.data.progress()
@@ -158,9 +158,8 @@ class Dashboard:
         if rows != self._drawn_rows:  # redraw only when something new arrived: drawing costs CPU the run needs
             self._drawn_rows = rows
             png = figures.png_bytes(figures.training_figure(self.data))
-            with self.curves:
-                self.curves.clear_output(wait=True)
-                display(Image(data=png))
+            self.curves.outputs = ()  # replaced, not appended: one current figure
+            self.curves.append_display_data(Image(data=png))
             self.advice.value = findings_html(advisor.advise(self.data))
             self.samples.value = completions_html(self.data.latest_completions(self.completions_shown))
 
