@@ -78,15 +78,20 @@ def stage_parameters(stage: str, recipe_arg: str, overrides: list[str], run_dir:
 
 
 def export_html(notebook: Path) -> Path:
-    """The executed notebook as HTML next to it (no CDN: MathJax and require.js are left out)."""
+    """The executed notebook as HTML next to it, readable offline: no MathJax or require.js from a CDN, and no
+    widget loader (widget views need it to render and cannot offline; the static figure and tables are there)."""
+    import re
+
     import nbformat
     from nbconvert import HTMLExporter
 
-    exporter = HTMLExporter(mathjax_url="", require_js_url="", exclude_input_prompt=False)
-    body, _ = exporter.from_notebook_node(nbformat.read(str(notebook), as_version=4))
-    target = notebook.with_suffix(".html")
     from workbench.rundir import write_atomic
-    return write_atomic(target, body)
+
+    nb = nbformat.read(str(notebook), as_version=4)
+    nb.metadata.pop("widgets", None)
+    body, _ = HTMLExporter(mathjax_url="", require_js_url="").from_notebook_node(nb)
+    body = re.sub(r"<script[^>]*\ssrc=[\"']{2}[^>]*>\s*</script>", "", body)
+    return write_atomic(notebook.with_suffix(".html"), body)
 
 
 def _error_of(notebook: Path) -> str:
