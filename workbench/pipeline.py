@@ -94,6 +94,45 @@ def export_html(notebook: Path) -> Path:
     return write_atomic(notebook.with_suffix(".html"), body)
 
 
+class _Heartbeat:
+    """While a stage runs, a line every `every` seconds: the notebook's output goes to its log, and a silent
+    terminal for the length of a training run looks like a hang. For the training stage it tells the step."""
+
+    def __init__(self, stage: str, stage_dir: Path, log, every: float = 30.0):
+        import threading
+
+        self.stage, self.stage_dir, self.log, self.every = stage, stage_dir, log, every
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _line(self) -> str:
+        elapsed = f"{time.time() - self.started:.0f}s"
+        if self.stage != "train" or not (self.stage_dir / "metrics.jsonl").exists():
+            return f"   ... {self.stage} running ({elapsed})"
+        from workbench.rundata import load
+
+        data = load(self.stage_dir)
+        prog, rows = data.progress(), data.train_metrics
+        reward = f", reward {rows[-1]['reward']:.3f}" if rows and "reward" in rows[-1] else ""
+        eta = f", ETA {prog['eta_seconds'] / 60:.1f} min" if prog["eta_seconds"] is not None else ""
+        return f"   ... train step {prog['step']}/{prog['max_steps']}{reward}{eta} ({elapsed})"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.log(self._line())
+            except Exception:  # a heartbeat must never fail a stage
+                pass
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+
 def _error_of(notebook: Path) -> str:
     """The first error output of an executed notebook, as 'Name: value'."""
     try:
@@ -144,10 +183,11 @@ def run(recipe: Recipe, stages: list[str] | None = None, recipe_arg: str | None 
             record["results"][stage] = result
             write_atomic(run_dir / "run.json", json.dumps(record, indent=2))
             try:
-                with open(stage_log, "w") as out:
+                params = stage_parameters(stage, recipe_arg, overrides, run_dir, recipe)
+                with open(stage_log, "w") as out, _Heartbeat(stage, Path(params["run_dir"]), log):
                     papermill.execute_notebook(
                         str(NOTEBOOK_DIR / f"{name}.ipynb"), str(executed), kernel_name=kernel,
-                        parameters=stage_parameters(stage, recipe_arg, overrides, run_dir, recipe),
+                        parameters=params,
                         cwd=os.getcwd(), progress_bar=False, log_output=False, stdout_file=out, stderr_file=out)
                 result["status"] = "passed"
             except PapermillExecutionError as exc:
