@@ -34,6 +34,19 @@ def _empty(ax, text: str) -> None:
     ax.set_yticks([])
 
 
+def _smooth(xs: list[float], ys: list[float], points: int = 120) -> tuple[list[float], list[float]]:
+    """A moving average when there are many more samples than a panel can show: at 1 Hz the server and the
+    trainer alternate within a step, and the raw trace is a solid band."""
+    window = len(ys) // points
+    if window < 2:
+        return xs, ys
+    out_x, out_y = [], []
+    for i in range(0, len(ys) - window + 1, window):
+        out_x.append(xs[i + window // 2])
+        out_y.append(sum(ys[i:i + window]) / window)
+    return out_x, out_y
+
+
 def _by_role(rows: list[dict], key: str, start: float) -> dict[str, tuple[list[float], list[float]]]:
     """Per role, the per-timestamp mean of `key` over that role's devices, against seconds since start."""
     buckets: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -42,7 +55,7 @@ def _by_role(rows: list[dict], key: str, start: float) -> dict[str, tuple[list[f
         if "error" in row or not isinstance(value, (int, float)):
             continue
         buckets[row.get("role", "?")][round(row["time"] - start, 1)].append(float(value))
-    return {role: (sorted(b), [sum(b[t]) / len(b[t]) for t in sorted(b)]) for role, b in buckets.items()}
+    return {role: _smooth(sorted(b), [sum(b[t]) / len(b[t]) for t in sorted(b)]) for role, b in buckets.items()}
 
 
 def training_figure(data, title: str | None = None):
@@ -125,14 +138,15 @@ def training_figure(data, title: str | None = None):
     rows = [r for r in data.rollout if "running" in r]
     if rows:
         t = [r["time"] - start for r in rows]
-        ax[8].plot(t, [r["running"] for r in rows], label="running")
-        ax[8].plot(t, [r.get("waiting", 0) for r in rows], label="waiting")
+        ax[8].plot(*_smooth(t, [r["running"] for r in rows]), label="running")
+        ax[8].plot(*_smooth(t, [r.get("waiting", 0) for r in rows]), label="waiting")
         ax[8].set_title("server requests in flight")
         ax[8].set_xlabel("seconds", fontsize=8)
         rates = [(ti, r["generation_tokens_per_s"]) for ti, r in zip(t, rows) if "generation_tokens_per_s" in r]
         if rates:
             twin = ax[8].twinx()
-            twin.plot([p[0] for p in rates], [p[1] for p in rates], color="tab:green", lw=1, label="tokens/s")
+            twin.plot(*_smooth([p[0] for p in rates], [p[1] for p in rates]), color="tab:green", lw=1,
+                      label="tokens/s")
             twin.set_ylabel("generated tokens/s", fontsize=8)
         ax[8].legend(fontsize=8, loc="upper left")
     else:

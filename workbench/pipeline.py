@@ -94,6 +94,25 @@ def export_html(notebook: Path) -> Path:
     return write_atomic(notebook.with_suffix(".html"), body)
 
 
+class _StderrTo:
+    """Point this process's stderr (fd 2) at a file while a stage runs: the kernel papermill starts inherits it,
+    so its own warnings and C-level output (vLLM, the NUMA binder) land in the stage log, not the terminal."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def __enter__(self):
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+
+
 class _Heartbeat:
     """While a stage runs, a line every `every` seconds: the notebook's output goes to its log, and a silent
     terminal for the length of a training run looks like a hang. For the training stage it tells the step."""
@@ -184,7 +203,7 @@ def run(recipe: Recipe, stages: list[str] | None = None, recipe_arg: str | None 
             write_atomic(run_dir / "run.json", json.dumps(record, indent=2))
             try:
                 params = stage_parameters(stage, recipe_arg, overrides, run_dir, recipe)
-                with open(stage_log, "w") as out, _Heartbeat(stage, Path(params["run_dir"]), log):
+                with open(stage_log, "a") as out, _StderrTo(out), _Heartbeat(stage, Path(params["run_dir"]), log):
                     papermill.execute_notebook(
                         str(NOTEBOOK_DIR / f"{name}.ipynb"), str(executed), kernel_name=kernel,
                         parameters=params,
