@@ -10,7 +10,10 @@ from workbench.trainer import JsonlMetrics, build_trainer
 
 
 def _trainer(server_recipe, tiny_model_dir, tmp_path, weight_sync, **overrides):
+    # sync mechanics, not learning: full rate from step 1 (no warm-up) and TRL's server-vs-trainer log-prob check on
     r = recipe.load(server_recipe, {"trainer.learning_rate": 3e-3, "trainer.logging_steps": 1,
+                                    "trainer.warmup_steps": 0, "trainer.lr_scheduler_type": "constant",
+                                    "trainer.vllm_importance_sampling_correction": True,
                                     "trainer.save_strategy": "no", "trainer.log_completions": False, **overrides})
     trainer = build_trainer(r, str(tiny_model_dir), tmp_path / "out", weight_sync, platform="cpu")
     trainer.add_callback(JsonlMetrics(tmp_path / "metrics.jsonl"))

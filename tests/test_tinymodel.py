@@ -48,7 +48,7 @@ def test_default_tiny_model_follows_format_but_is_often_wrong(tiny_model_dir):
     info = tinymodel.info(tiny_model_dir)
     held = info["heldout"]
     assert held["n"] == 300
-    assert 0.20 <= held["accuracy"] <= 0.50, held["accuracy"]
+    assert 0.30 <= held["accuracy"] <= 0.70, held["accuracy"]  # room for GRPO either way
     assert held["format_rate"] >= 0.9
     assert 1.0e6 < info["parameters"] < 1.6e6
     assert info["seconds"]["total"] < 180

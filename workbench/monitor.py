@@ -22,11 +22,12 @@ from workbench.rollout import Scraper
 
 class Monitor:
     def __init__(self, recipe: Recipe, run_dir: Path, server_pid: int | None = None, server_url: str | None = None,
-                 api_key: str | None = None, platform: str | None = None, probe: probes.Probe | None = None):
+                 api_key: str | None = None, platform: str | None = None, probe: probes.Probe | None = None,
+                 enabled: bool = True):
         self.interval = recipe.monitor.sample_interval_s
         self.devices_path = Path(run_dir) / "devices.jsonl"
         self.rollout_path = Path(run_dir) / "rollout.jsonl"
-        self.enabled = self.interval > 0
+        self.enabled = enabled and self.interval > 0
         self.probe = probe or (probes.for_recipe(recipe, server_pid=server_pid, platform=platform)
                                if self.enabled else None)
         self.scraper = Scraper(server_url, api_key) if (server_url and self.enabled) else None

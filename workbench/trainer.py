@@ -236,8 +236,10 @@ def train(recipe: Recipe, run_dir: Path | None = None, log=print) -> TrainResult
             log(f"training: {trainer.args.max_steps} steps, weight sync {method!r}, metrics -> {metrics_path}")
             # started inside the pinned block: the sampler thread shares the trainer's cores, so its cost shows
             # in the step time it is measured against
+            # one sampler per run, not per rank: under `accelerate launch` only the main process samples
             sampler = Monitor(recipe, run_dir, server_pid=srv.process.pid if srv.process else None,
-                              server_url=srv.url, api_key=srv.key, platform=platform)
+                              server_url=srv.url, api_key=srv.key, platform=platform,
+                              enabled=trainer.accelerator.is_main_process)
             started = time.time()
             with sampler:
                 trainer.train()
