@@ -386,13 +386,21 @@ def benchmark(recipe: Recipe, url: str, rows: list[dict], concurrencies: list[in
     return result
 
 
-def benchmark_table(result: dict) -> str:
-    lines = ["| requests in flight | requests/s | tokens/s | vs sequential loop |", "|---|---|---|---|",
-             f"| sequential loop | {result['sequential_requests_per_second']:.1f} | – | ×1.00 |"]
+BENCHMARK_HEADER = ["requests in flight", "requests/s", "tokens/s", "vs sequential loop"]
+
+
+def benchmark_rows(result: dict) -> list[list[str]]:
+    """The concurrency sweep as table rows, the sequential loop first (the notebook's and the report's table)."""
+    rows = [["sequential loop", f"{result['sequential_requests_per_second']:.1f}", "–", "×1.00"]]
     for c, row in sorted(result["by_concurrency"].items(), key=lambda kv: int(kv[0])):
-        lines.append(f"| {c} | {row['requests_per_second']:.1f} | {row['tokens_per_second']:.0f} | "
-                     f"×{row['speedup_vs_sequential']:.2f} |")
-    return "\n".join(lines)
+        rows.append([str(c), f"{row['requests_per_second']:.1f}", f"{row['tokens_per_second']:.0f}",
+                     f"×{row['speedup_vs_sequential']:.2f}"])
+    return rows
+
+
+def benchmark_table(result: dict) -> str:
+    lines = ["| " + " | ".join(BENCHMARK_HEADER) + " |", "|---|---|---|---|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in benchmark_rows(result)])
 
 
 def benchmark_figure(result: dict, path: Path) -> Path:

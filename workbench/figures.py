@@ -119,7 +119,6 @@ def training_figure(data, title: str | None = None):
     start = min((r["time"] for r in data.devices + data.rollout if "time" in r), default=0.0)
     for panel, key, title_text in ((ax[6], "util", "device utilization per role (%)"),
                                    (ax[7], "mem_used_mb", "device memory per role (MiB)")):
-        series = {}
         if key == "util":  # on the CPU, what the role's own processes use; elsewhere the device counter
             series = _by_role(data.devices, "proc_util_pct", start) or _by_role(data.devices, "util_pct", start)
         else:

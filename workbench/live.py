@@ -13,6 +13,7 @@ left in the cell output as plain PNG and HTML, so papermill's executed notebook 
 """
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import subprocess
@@ -66,10 +67,8 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
             a, b = avg(first, key), avg(last, key)
             if a is not None:
                 out.append((f"{label} (first → last fifth)", f"{a:.3g} → {b:.3g}"))
-        for key, label in (("time/step", "step time (s)"), ("time/generation", "  generation"),
-                           ("time/weight_sync", "  weight sync"), ("time/reward", "  reward"),
-                           ("time/scoring", "  log-probs & rest"), ("time/optimisation", "  optimisation"),
-                           ("rollout/tokens_per_second", "rollout tokens/s")):
+        phases = [(key, f"  {label}") for key, label in figures.PHASES]
+        for key, label in [("time/step", "step time (s)"), *phases, ("rollout/tokens_per_second", "rollout tokens/s")]:
             value = avg(rows, key)
             if value is not None:
                 out.append((label, f"{value:.3g}"))
@@ -187,7 +186,7 @@ class Dashboard:
             poller = ui_events()
         except Exception:  # outside a kernel (or without the package): refresh without processing clicks
             poller = None
-        with (poller if poller is not None else _NullContext()) as poll:
+        with (poller if poller is not None else contextlib.nullcontext()) as poll:
             while self._running() and (timeout_s is None or time.time() - started < timeout_s):
                 self._update()
                 next_at = time.time() + self.refresh_s
@@ -212,11 +211,3 @@ class Dashboard:
             tail = (self.data.run_dir / "train.log").read_text(errors="replace").splitlines()[-25:]
             raise RuntimeError(f"training exited with status {self.process.returncode}; last lines of "
                                f"{self.data.run_dir / 'train.log'}:\n" + "\n".join(tail))
-
-
-class _NullContext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

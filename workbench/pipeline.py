@@ -61,8 +61,10 @@ def environment_summary() -> dict:
             "variables": redact(variables), "kernel": kernel_name()}
 
 
-def stage_parameters(stage: str, recipe_arg: str, overrides: list[str], run_dir: Path, recipe: Recipe) -> dict:
-    params: dict = {"recipe": recipe_arg, "overrides": list(overrides)}
+def stage_parameters(stage: str, run_dir: Path, recipe: Recipe) -> dict:
+    """Every notebook loads the resolved recipe of the run (a name could mean something else tomorrow), with no
+    further overrides: they are already in it."""
+    params: dict = {"recipe": str(run_dir / "recipe.yaml"), "overrides": []}
     if stage == "env":
         params["run_dir"] = str(run_dir)
     elif stage == "eval":
@@ -72,8 +74,7 @@ def stage_parameters(stage: str, recipe_arg: str, overrides: list[str], run_dir:
             models["trained"] = str(run_dir / "train" / "final")
         params["models"] = models
     else:
-        params["run_dir"] = str(run_dir / {"offline": "offline", "serving": "serving", "smoke": "smoke",
-                                           "train": "train"}[stage])
+        params["run_dir"] = str(run_dir / stage)
     return params
 
 
@@ -152,21 +153,7 @@ class _Heartbeat:
         self._stop.set()
 
 
-def _error_of(notebook: Path) -> str:
-    """The first error output of an executed notebook, as 'Name: value'."""
-    try:
-        nb = json.loads(notebook.read_text())
-    except (OSError, json.JSONDecodeError):
-        return ""
-    for cell in nb.get("cells", []):
-        for out in cell.get("outputs", []):
-            if out.get("output_type") == "error":
-                return f"{out.get('ename')}: {out.get('evalue')}"[:500]
-    return ""
-
-
-def run(recipe: Recipe, stages: list[str] | None = None, recipe_arg: str | None = None,
-        overrides: list[str] | None = None, log=print) -> Path:
+def run(recipe: Recipe, stages: list[str] | None = None, log=print) -> Path:
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
@@ -183,9 +170,6 @@ def run(recipe: Recipe, stages: list[str] | None = None, recipe_arg: str | None 
         raise WorkbenchError(f"notebooks missing: {missing}", f"run from a checkout that has {NOTEBOOK_DIR}")
     kernel = kernel_name()
     run_dir = new_run_dir(recipe, "run").resolve()
-    # the notebooks load the resolved recipe: a name that means something else tomorrow cannot change this run
-    recipe_arg = str(run_dir / "recipe.yaml")
-    overrides = []
     for sub in ("notebooks", "logs"):
         (run_dir / sub).mkdir()
     write_atomic(run_dir / "environment.json", json.dumps(environment_summary(), indent=2))
@@ -202,7 +186,7 @@ def run(recipe: Recipe, stages: list[str] | None = None, recipe_arg: str | None 
             record["results"][stage] = result
             write_atomic(run_dir / "run.json", json.dumps(record, indent=2))
             try:
-                params = stage_parameters(stage, recipe_arg, overrides, run_dir, recipe)
+                params = stage_parameters(stage, run_dir, recipe)
                 with open(stage_log, "a") as out, _StderrTo(out), _Heartbeat(stage, Path(params["run_dir"]), log):
                     papermill.execute_notebook(
                         str(NOTEBOOK_DIR / f"{name}.ipynb"), str(executed), kernel_name=kernel,
@@ -212,7 +196,7 @@ def run(recipe: Recipe, stages: list[str] | None = None, recipe_arg: str | None 
             except PapermillExecutionError as exc:
                 result["status"] = "failed"
                 record["failed_stage"] = stage
-                record["error"] = f"{exc.ename}: {exc.evalue}"[:500] or _error_of(executed)
+                record["error"] = f"{exc.ename}: {exc.evalue}"[:500]
             finally:
                 result["seconds"] = round(time.time() - started, 1)
                 if executed.exists():

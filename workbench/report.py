@@ -85,7 +85,7 @@ def training_dir(run_dir: Path) -> Path | None:
     return None
 
 
-def _outcome(run_dir: Path, run: dict | None, evals: list[dict]) -> str:
+def _outcome(run: dict | None, evals: list[dict]) -> str:
     parts = []
     if run:
         if run.get("failed_stage"):
@@ -102,7 +102,7 @@ def _outcome(run_dir: Path, run: dict | None, evals: list[dict]) -> str:
     return f"<p class='headline'>{' · '.join(parts) or 'no stage results recorded'}</p>"
 
 
-def _stages(run: dict | None, run_dir: Path) -> str:
+def _stages(run: dict | None) -> str:
     if not run:
         return ""
     rows = []
@@ -191,12 +191,9 @@ def _serving(run_dir: Path) -> str:
     sweep = _json(run_dir / "serving" / "serving.json")
     if not sweep:
         return ""
-    rows = [["sequential loop", f"{sweep['sequential_requests_per_second']:.1f}", "–", "×1.00"]]
-    for c, r in sorted(sweep["by_concurrency"].items(), key=lambda kv: int(kv[0])):
-        rows.append([c, f"{r['requests_per_second']:.1f}", f"{r['tokens_per_second']:.0f}",
-                     f"×{r['speedup_vs_sequential']:.2f}"])
-    return ("<h2>Serving: throughput vs concurrency</h2>"
-            + _table(["requests in flight", "requests/s", "tokens/s", "vs sequential"], rows)
+    from workbench.evaluate import BENCHMARK_HEADER, benchmark_rows
+
+    return ("<h2>Serving: throughput vs concurrency</h2>" + _table(BENCHMARK_HEADER, benchmark_rows(sweep))
             + _img_file(run_dir / "serving" / "serving.png", "throughput vs concurrency"))
 
 
@@ -247,7 +244,7 @@ def build(run_dir: Path | str) -> Path:
     evaluation, evals = _evaluation(run_dir)
     body = [f"<h1>GRPO Workbench report · {_e(run_dir.name)}</h1>",
             f"<p>Built {time.strftime('%Y-%m-%d %H:%M:%S')} from <code>{_e(run_dir.resolve())}</code>.</p>",
-            _outcome(run_dir, run, evals), _stages(run, run_dir), evaluation, _training(train_dir),
+            _outcome(run, evals), _stages(run), evaluation, _training(train_dir),
             _smoke(run_dir), _serving(run_dir), _offline(run_dir), _environment(run_dir), _recipe(run_dir, train_dir)]
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>GRPO report {_e(run_dir.name)}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(body)}{CHECK_SCRIPT}</body></html>")

@@ -10,7 +10,6 @@ for a run that crashed: whatever lines were written are read; a torn last line i
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import yaml
@@ -98,16 +97,6 @@ class RunData:
             out.append({"step": int(row.pop("step")), "prompt": _text(prompt), "completion": _text(completion),
                         **{k: (None if v != v else float(v)) for k, v in row.items() if isinstance(v, (int, float))}})
         return out
-
-    def eval_summaries(self) -> list[dict]:
-        data = self._json("eval/summary.json")
-        if not data:
-            return []
-        return data if isinstance(data, list) else data.get("models", [])
-
-    def age_seconds(self) -> float | None:
-        rows = self.metrics
-        return time.time() - rows[-1]["time"] if rows else None
 
 
 def _text(messages) -> str:
