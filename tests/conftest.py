@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -19,9 +20,17 @@ def cpu_recipe():
 
 
 @pytest.fixture(scope="session")
+def cpu_rr(cpu_recipe):
+    """cpu-tiny, resolved (platform, model path, weight sync, URL, roles)."""
+    from workbench import recipe
+
+    return recipe.resolve(cpu_recipe)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(cpu_recipe) -> Path:
     """The cpu-tiny model, built for real (about 40 s on 2 cores the first time, reused after)."""
-    from workbench import tinymodel
+    from workbench.tasks import tinymodel
 
     return tinymodel.ensure(cpu_recipe, log=lambda *_: None)
 
@@ -58,11 +67,18 @@ def server_recipe(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_server(server_recipe, tiny_model_dir, tmp_path_factory):
-    """One real vLLM server (CPU build, tiny model) shared by the tests that only talk to it."""
-    from workbench.server import VLLMServer
+def server_rr(server_recipe):
+    from workbench import recipe
 
-    srv = VLLMServer(server_recipe, str(tiny_model_dir), tmp_path_factory.mktemp("server"), quiet=True)
+    return recipe.resolve(server_recipe)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(server_rr, tiny_model_dir, tmp_path_factory):
+    """One real vLLM server (CPU build, tiny model) shared by the tests that only talk to it."""
+    from workbench.serving.server import VLLMServer
+
+    srv = VLLMServer(server_rr, str(tiny_model_dir), tmp_path_factory.mktemp("server"), quiet=True)
     srv.start()
     yield srv
     srv.stop()
@@ -70,8 +86,10 @@ def tiny_server(server_recipe, tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory, tiny_model_dir):
-    """`workbench train --recipe smoke` for real, once: (run directory, server port)."""
+    """`workbench train --recipe smoke` for real, once: (RunDir, server port); its training is run.train."""
     import subprocess
+
+    from workbench.rundir import RunDir
 
     runs = tmp_path_factory.mktemp("smoke-runs")
     port = free_port()
@@ -83,4 +101,4 @@ def smoke_run(tmp_path_factory, tiny_model_dir):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir,) = [p for p in runs.iterdir() if p.name.endswith("-smoke-train")]
-    return run_dir, port
+    return RunDir(run_dir), port

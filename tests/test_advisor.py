@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from workbench import advisor, figures, rundata
-from workbench.metrics import append_jsonl
+from workbench.observe import advisor, figures, rundata
+from workbench.observe.records import append_jsonl
 
 RECIPE = {"trainer": {"per_device_train_batch_size": 32, "num_generations": 8, "max_completion_length": 48,
                       "beta": 0.04, "learning_rate": 3e-5, "max_steps": 100}}

@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from workbench import arithmetic
+from workbench.tasks import arithmetic
 from workbench.errors import WorkbenchError
 
 

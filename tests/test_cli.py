@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from workbench.cli import STAGES_TODO, build_parser
+from workbench.cli import TODO, build_parser
 
 
 def run(cmd, *args, env=None):
@@ -14,11 +14,11 @@ def test_console_script_and_module_entry_point(workbench_cmd):
     for cmd in (workbench_cmd, [sys.executable, "-m", "workbench"]):
         out = run(cmd, "--help")
         assert out.returncode == 0
-        for name in ["recipe", "tiny-model", "run", "serve", "train", "env", "eval", *STAGES_TODO]:
+        for name in ["recipe", "tiny-model", "run", "serve", "train", "env", "eval", *TODO]:
             assert name in out.stdout
 
 
-@pytest.mark.parametrize("name", ["recipe", "tiny-model", "run", "serve", "train", "env", "eval", *STAGES_TODO])
+@pytest.mark.parametrize("name", ["recipe", "tiny-model", "run", "serve", "train", "env", "eval", *TODO])
 def test_every_subcommand_explains_itself(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([name, "--help"])
@@ -28,11 +28,12 @@ def test_every_subcommand_explains_itself(name, capsys):
 
 
 def test_recipe_show_ascend_builds_grpo_config(workbench_cmd, clean_env):
-    out = run(workbench_cmd, "recipe", "show", "ascend-910b-8card", "trainer.learning_rate=2e-6", env=clean_env)
+    out = run(workbench_cmd, "recipe", "show", "ascend-910b-8card", "trainer.learning_rate=2e-6", "--check",
+              env=clean_env)
     assert out.returncode == 0, out.stderr
     assert "served_model_name: policy-7b" in out.stdout
     assert "learning_rate: 2.0e-06" in out.stdout
-    assert "builds trl.GRPOConfig for platform 'npu'" in out.stdout
+    assert "built trl.GRPOConfig for platform 'npu'" in out.stdout
 
 
 def test_recipe_list(workbench_cmd):

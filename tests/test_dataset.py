@@ -1,4 +1,4 @@
-"""workbench.dataset: every source becomes the same rows, and bad input fails at once with cause and fix."""
+"""workbench.tasks.dataset: every source becomes the same rows, and bad input fails at once with cause and fix."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from workbench import rewards
-from workbench.dataset import load_rows, max_prompt_tokens, to_hf_dataset
+from workbench.tasks import rewards
+from workbench.tasks.dataset import load_rows, max_prompt_tokens, to_hf_dataset
 from workbench.errors import WorkbenchError
 
 GSM8K = [
@@ -247,11 +247,11 @@ def test_hub_unreachable_fails_fast_with_the_local_file_fix(monkeypatch, empty_h
 
 def test_unreachable_hub_without_offline_variable_fails_fast(monkeypatch, empty_hub_cache):
     """Without HF_HUB_OFFLINE, datasets would retry for about half a minute; the probe makes it cache-only."""
-    import workbench.dataset
+    import workbench.tasks.dataset
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(workbench.dataset, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(workbench.tasks.dataset, "_hub_reachable", lambda: False)
     start = time.monotonic()
     with pytest.raises(WorkbenchError, match="HuggingFaceH4/MATH-500"):
         load_rows("math500", "test")
@@ -259,20 +259,20 @@ def test_unreachable_hub_without_offline_variable_fails_fast(monkeypatch, empty_
 
 
 def test_hub_probe_reports_a_closed_endpoint(monkeypatch):
-    import workbench.dataset
+    import workbench.tasks.dataset
     from huggingface_hub import constants
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
-    assert workbench.dataset._hub_reachable() is False
+    assert workbench.tasks.dataset._hub_reachable() is False
 
 
 def test_hub_probe_sees_a_listening_endpoint_unless_offline_is_set(monkeypatch):
     import http.server
     import threading
 
-    import workbench.dataset
+    import workbench.tasks.dataset
     from huggingface_hub import constants
 
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
@@ -281,9 +281,9 @@ def test_hub_probe_sees_a_listening_endpoint_unless_offline_is_set(monkeypatch):
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
         monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
-        assert workbench.dataset._hub_reachable() is True
+        assert workbench.tasks.dataset._hub_reachable() is True
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-        assert workbench.dataset._hub_reachable() is False
+        assert workbench.tasks.dataset._hub_reachable() is False
     finally:
         server.shutdown()
         server.server_close()
@@ -395,7 +395,7 @@ def test_recipe_rows_use_the_data_section_and_check_prompt_length(tiny_model_dir
     from transformers import AutoTokenizer
 
     from workbench import recipe
-    from workbench.dataset import max_prompt_tokens, recipe_rows
+    from workbench.tasks.dataset import max_prompt_tokens, recipe_rows
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     smoke = recipe.load("smoke")
@@ -408,3 +408,18 @@ def test_recipe_rows_use_the_data_section_and_check_prompt_length(tiny_model_dir
     tight = recipe.load("smoke", [f"data.max_prompt_length={longest - 1}"])
     with pytest.raises(WorkbenchError, match=f"prompt is {longest} tokens.*raise data.max_prompt_length to {longest}"):
         recipe_rows(tight, split="heldout", tokenizer=tokenizer)
+
+
+def test_eval_rows_are_the_first_num_samples_of_the_eval_split():
+    from workbench import recipe
+    from workbench.tasks.dataset import eval_rows, recipe_rows
+
+    smoke = recipe.load("smoke", ["eval.num_samples=20"])
+    rows = eval_rows(smoke)
+    assert len(rows) == 20
+    assert rows == recipe_rows(smoke, split=smoke.eval.split)[:20]
+    assert all(r["id"].startswith(f"arith-{smoke.eval.split}-") for r in rows)
+    too_many = recipe.load("smoke", ["data.heldout_size=50", "eval.num_samples=60"])
+    with pytest.raises(WorkbenchError, match=r"eval.num_samples=60 but the held-out split has 50") as exc:
+        eval_rows(too_many)
+    one_line(exc)

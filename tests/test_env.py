@@ -6,9 +6,10 @@ import time
 from pathlib import Path
 
 
-from workbench import env, recipe
+from workbench import recipe
+from workbench.platform import envcheck as env
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "npu-smi"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "npu-smi"
 GOOD_ROW = {"python": "3.11.7", "torch": "2.10.0", "torch_npu": "2.10.0.post4", "vllm": "0.23.0",
             "vllm_ascend": "0.23.0.post1", "trl": "1.16.0", "transformers": "4.57.1", "accelerate": "1.10.1"}
 
@@ -49,8 +50,8 @@ def _fake_host(tmp_path, npu_smi_file="info-910b2c-narrow.txt", cann="9.1.0", lo
 def _ascend_check(environ, versions, **overrides):
     r = recipe.load("ascend-910b-8card", {"devices.server": [0], "devices.trainer": [1],
                                           "server.tensor_parallel_size": 1, **overrides})
-    return env.check(r, collective=False, platform="npu", environ=environ, versions=versions,
-                     runner=env._run, devices=["910B2C", "910B2C"])
+    return env.check(recipe.resolve(r, platform="npu"), collective=False, platform="npu", environ=environ,
+                     versions=versions, runner=env._run, devices=["910B2C", "910B2C"])
 
 
 def test_fake_ascend_host_that_is_right(tmp_path):
@@ -116,7 +117,8 @@ def test_unreadable_npu_smi_fails_loudly(tmp_path):
 
 
 def test_ascend_recipe_on_this_cpu_machine_fails_with_a_fix():
-    report = env.check(recipe.load("ascend-910b-8card"), collective=False, platform="cpu", environ={"PATH": "/usr/bin"})
+    rr = recipe.resolve(recipe.load("ascend-910b-8card"))  # the recipe's own platform: npu
+    report = env.check(rr, collective=False, platform="cpu", environ={"PATH": "/usr/bin"})
     platform = report.find("platform")
     assert platform.status == "fail" and "recipe wants 'npu', this machine runs 'cpu'" in platform.found
     assert "set_env.sh" in platform.fix

@@ -5,8 +5,11 @@ import pytest
 from PIL import Image
 
 from conftest import free_port
-from workbench import evaluate, recipe
+from workbench import recipe
 from workbench.errors import WorkbenchError
+from workbench.evaluation import evaluate
+from workbench.rundir import RunDir
+from workbench.tasks.grading import grade
 
 
 @pytest.mark.parametrize("gold,response,expected", [
@@ -22,7 +25,7 @@ from workbench.errors import WorkbenchError
     ("82", "47 + 35: 7+5=12, 4+3+1=8. <answer>82</answer>", True),  # the synthetic task
 ])
 def test_grading_hand_written_cases(gold, response, expected):
-    (extracted, correct), = evaluate.grade([gold], [response])
+    (extracted, correct), = grade([gold], [response])
     assert correct is expected, extracted
 
 
@@ -30,14 +33,16 @@ def test_grading_off_the_main_thread_keeps_working():
     import threading
 
     box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("r", evaluate.grade(["\\frac{1}{2}", "7"], ["\\boxed{\\frac{2}{4}}", "#### 8"])))
+    thread = threading.Thread(target=lambda: box.setdefault("r", grade(["\\frac{1}{2}", "7"], ["\\boxed{\\frac{2}{4}}", "#### 8"])))
     thread.start()
     thread.join()
     assert [c for _, c in box["r"]] == [True, False]
 
 
 def _eval_recipe(server_recipe, url, **overrides):
-    return recipe.load(server_recipe, {"server.mode": "attach", "server.url": url, "eval.num_samples": 64, **overrides})
+    """The server recipe attached to `url`, resolved."""
+    return recipe.resolve(recipe.load(server_recipe, {"server.mode": "attach", "server.url": url, "eval.num_samples": 64,
+                                                      **overrides}))
 
 
 def test_preflight_checks_lengths_and_name_against_the_real_server(tiny_server, server_recipe):
@@ -45,11 +50,11 @@ def test_preflight_checks_lengths_and_name_against_the_real_server(tiny_server, 
     rows = evaluate.eval_rows(r)
     with pytest.raises(WorkbenchError, match=r"longest prompt is \d+ tokens and eval.max_tokens is 250: \d+ > the server's "
                                              r"max_model_len 256.*lower eval.max_tokens to \d+"):
-        evaluate.preflight(r, tiny_server.url, rows)
+        evaluate.preflight(r, rows, tiny_server.url)
     wrong = _eval_recipe(server_recipe, tiny_server.url, **{"server.served_model_name": "policy-7b"})
     with pytest.raises(WorkbenchError, match=r"does not serve 'policy-7b'; it serves \['tiny-policy'\]"):
-        evaluate.preflight(wrong, tiny_server.url, rows)
-    ok = evaluate.preflight(_eval_recipe(server_recipe, tiny_server.url), tiny_server.url, rows)
+        evaluate.preflight(wrong, rows, tiny_server.url)
+    ok = evaluate.preflight(_eval_recipe(server_recipe, tiny_server.url), rows, tiny_server.url)
     assert ok["max_model_len"] == 256 and 10 < ok["longest_prompt_tokens"] <= 64
 
 
@@ -57,45 +62,48 @@ def test_temperature_zero_repeats_agree_and_sampling_reports_spread(tiny_server,
 
     greedy = _eval_recipe(server_recipe, tiny_server.url, **{"eval.repeats": 2})
     rows = evaluate.eval_rows(greedy)
-    summary, samples = evaluate.evaluate_server(greedy, tiny_server.url, "base", rows, quiet=True, concurrency=16)
+    summary, samples = evaluate.evaluate_server(greedy, "base", rows, tiny_server.url, quiet=True, concurrency=16)
     assert len(samples) == 128 and summary.errors == 0 and summary.unscored == 0
     assert summary.accuracy_per_repeat[0] == summary.accuracy_per_repeat[1] and summary.accuracy_std == 0
     first = {s.id: s.response for s in samples if s.repeat == 0}
     assert all(first[s.id] == s.response for s in samples if s.repeat == 1)
     assert 0.1 < summary.accuracy_mean < 0.7 and summary.truncation_rate == 0 and summary.mean_output_tokens > 20
     sampled = _eval_recipe(server_recipe, tiny_server.url, **{"eval.repeats": 3, "eval.temperature": 1.0})
-    spread, _ = evaluate.evaluate_server(sampled, tiny_server.url, "base", rows, quiet=True)
+    spread, _ = evaluate.evaluate_server(sampled, "base", rows, tiny_server.url, quiet=True)
     assert len(spread.accuracy_per_repeat) == 3 and spread.accuracy_std > 0
     assert "± " in evaluate.comparison_table([summary, spread])
     completions = _eval_recipe(server_recipe, tiny_server.url, **{"eval.endpoint": "completions"})
-    plain, plain_samples = evaluate.evaluate_server(completions, tiny_server.url, "base", rows, quiet=True)
+    plain, plain_samples = evaluate.evaluate_server(completions, "base", rows, tiny_server.url, quiet=True)
     assert plain.accuracy_mean == summary.accuracy_mean  # same greedy answers through /v1/completions
     assert "<answer>" in plain_samples[0].response
 
 
 def test_base_vs_trained_comparison_outputs(server_recipe, tiny_model_dir, smoke_run, tmp_path):
-    run_dir, _ = smoke_run
+    trained_run, _ = smoke_run
     r = recipe.load(server_recipe, {"eval.num_samples": 48, "eval.repeats": 2, "server.port": free_port()})
-    summaries = evaluate.evaluate(r, {"base": "tiny", "trained": str(run_dir / "final")}, out_dir=tmp_path,
-                                  quiet=True, log=lambda *_: None)
-    assert [s.model for s in summaries] == ["base", "trained"]
-    table = (tmp_path / "comparison.md").read_text()
+    rr = recipe.resolve(r)
+    stage = RunDir(tmp_path).eval
+    result = evaluate.evaluate(rr, {"base": "tiny", "trained": str(trained_run.train.final)}, stage=stage,
+                               quiet=True, log=lambda *_: None)
+    assert [s.model for s in result.summaries] == ["base", "trained"]
+    table = stage.table.read_text()
     assert "| base | 48 × 2 |" in table and "| trained | 48 × 2 |" in table
-    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert len(records) == 2 * 48 * 2
+    records = [json.loads(line) for line in stage.samples.read_text().splitlines()]
+    assert len(records) == len(result.samples) == 2 * 48 * 2
     assert {"prompt", "response", "extracted", "gold", "correct", "completion_tokens", "latency_s"} <= set(records[0])
-    assert len(json.loads((tmp_path / "summary.json").read_text())) == 2
-    with Image.open(tmp_path / "comparison.png") as image:
+    assert len(json.loads(stage.summary.read_text())) == 2
+    with Image.open(stage.figure) as image:
         assert image.size[0] > 300 and image.size[1] > 200
 
 
 def test_lm_eval_command_matches_the_recipe():
-    r = recipe.load("ascend-910b-8card")
-    command = evaluate.lm_eval_command(r, "http://127.0.0.1:8001")
+    rr = recipe.resolve(recipe.load("ascend-910b-8card"), platform="npu")
+    command = evaluate.lm_eval_command(rr, "http://127.0.0.1:8001")
     assert command.startswith("lm_eval --model local-chat-completions --model_args model=policy-7b,"
                               "base_url=http://127.0.0.1:8001/v1/chat/completions,num_concurrent=48")
     assert "--tasks gsm8k --apply_chat_template" in command and "temperature=0.0" in command and "seed=1234" in command
-    completions = evaluate.lm_eval_command(recipe.load("cpu-tiny", ["eval.endpoint=completions"]), "http://h:1")
+    completions = evaluate.lm_eval_command(recipe.resolve(recipe.load("cpu-tiny", ["eval.endpoint=completions"]),
+                                                          platform="cpu"), "http://h:1")
     assert "local-completions" in completions and "/v1/completions" in completions and "cross-check on gsm8k" in completions
 
 

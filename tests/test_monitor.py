@@ -13,13 +13,15 @@ import pytest
 
 from conftest import free_port
 from test_npusmi import WIDE_DUAL_DIE
-from workbench import metrics, recipe, rollout
-from workbench.probes import ascend, cpu, nvidia
+from workbench import recipe
 from workbench.errors import WorkbenchError
-from workbench.npusmi import NpuSmiFormatError
+from workbench.observe import records, scraper
+from workbench.observe.probes import ascend, cpu, nvidia
+from workbench.platform.npusmi import NpuSmiFormatError
+from workbench.rundir import RunDir
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-NPU_FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "npu-smi"
+NPU_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "npu-smi"
 
 
 # --- metric names ----------------------------------------------------------------------------------------------
@@ -27,30 +29,30 @@ NPU_FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "np
 def test_old_and_prefixed_trl_names_are_normalised():
     old = {"train/completion_length": 31.5, "rewards/correctness": 0.25, "rewards/format": 1.0, "kl": 0.01,
            "train/reward": 0.4, "clip_ratio": 0.0, "loss": 0.1}
-    new = metrics.normalise(old)
+    new = records.normalise(old)
     assert new == {"completions/mean_length": 31.5, "rewards/correctness/mean": 0.25, "rewards/format/mean": 1.0,
                    "kl": 0.01, "reward": 0.4, "clip_ratio/region_mean": 0.0, "loss": 0.1}
     current = {"completions/mean_length": 30.0, "rewards/correctness/mean": 0.5, "rewards/correctness/std": 0.1}
-    assert metrics.normalise(current) == current  # TRL 1.16's own names pass unchanged
+    assert records.normalise(current) == current  # TRL 1.16's own names pass unchanged
 
 
 def test_newer_spelling_wins_when_both_are_logged():
-    assert metrics.normalise({"completion_length": 1.0, "completions/mean_length": 2.0}) == \
+    assert records.normalise({"completion_length": 1.0, "completions/mean_length": 2.0}) == \
         {"completions/mean_length": 2.0}
-    assert metrics.normalise({"completions/mean_length": 2.0, "completion_length": 1.0}) == \
+    assert records.normalise({"completions/mean_length": 2.0, "completion_length": 1.0}) == \
         {"completions/mean_length": 2.0}
 
 
 def test_jsonl_readers_skip_a_torn_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    metrics.append_jsonl(path, {"step": 1, "completion_length": 10})
-    metrics.append_jsonl(path, {"step": 2, "completion_length": 12})
+    records.append_jsonl(path, {"step": 1, "completion_length": 10})
+    records.append_jsonl(path, {"step": 2, "completion_length": 12})
     with open(path, "a") as f:
         f.write('{"step": 3, "compl')  # a run killed in the middle of a write
-    rows = metrics.read_jsonl(path)
+    rows = records.read_jsonl(path)
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["completions/mean_length"] == 10
 
-    tail = metrics.Tail(path)
+    tail = records.Tail(path)
     assert [r["step"] for r in tail.read()] == [1, 2]
     assert tail.read() == []
     with open(path, "a") as f:
@@ -61,7 +63,7 @@ def test_jsonl_readers_skip_a_torn_last_line(tmp_path):
 # --- rollout health from /metrics --------------------------------------------------------------------------------
 
 def test_recorded_vllm_metrics_parse_to_their_values():
-    values = rollout.parse((FIXTURES / "vllm-0.32-cpu-metrics.prom").read_text())
+    values = scraper.parse((FIXTURES / "vllm-0.32-cpu-metrics.prom").read_text())
     assert values["running"] == 32.0 and values["waiting"] == 0.0
     assert values["kv_cache_usage"] == pytest.approx(0.007814407814407787)
     assert values["preemptions"] == 0.0
@@ -72,12 +74,12 @@ def test_recorded_vllm_metrics_parse_to_their_values():
 def test_older_vllm_metric_names_are_accepted():
     text = ("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 3.0\n"
             "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n")
-    assert rollout.parse(text) == {"running": 3.0, "kv_cache_usage": 0.5}
+    assert scraper.parse(text) == {"running": 3.0, "kv_cache_usage": 0.5}
 
 
 def test_a_page_that_is_not_vllm_metrics_is_an_error():
     with pytest.raises(WorkbenchError, match="num_requests_running"):
-        rollout.parse("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.0\n")
+        scraper.parse("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.0\n")
 
 
 # --- device probes ----------------------------------------------------------------------------------------------
@@ -195,8 +197,9 @@ def test_cpu_probe_refuses_cores_the_machine_lacks(cpu_recipe):
 # --- the smoke run's records -------------------------------------------------------------------------------------
 
 def test_smoke_run_records_metrics_devices_and_rollout(smoke_run):
-    run_dir, _ = smoke_run
-    rows = metrics.read_jsonl(run_dir / "metrics.jsonl")
+    run, _ = smoke_run
+    train = run.train
+    rows = records.read_jsonl(train.metrics)
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for row in steps:
@@ -206,30 +209,30 @@ def test_smoke_run_records_metrics_devices_and_rollout(smoke_run):
         assert row["time/generation"] > 0 and row["time/optimisation"] > 0 and row["time/weight_sync"] > 0
         assert row["rollout/tokens_per_second"] > 0 and row["rollout/completion_tokens"] > 0
 
-    devices = [json.loads(line) for line in (run_dir / "devices.jsonl").read_text().splitlines()]
+    devices = [json.loads(line) for line in train.devices.read_text().splitlines()]
     assert {d["role"] for d in devices} == {"server", "trainer"} and not any("error" in d for d in devices)
     assert all(0 <= d["util_pct"] <= 100 and d["mem_used_mb"] > 0 for d in devices)
     server_mem = max(d["mem_used_mb"] for d in devices if d["role"] == "server")
     assert server_mem > 100  # the vLLM process tree, not an empty set of processes
 
-    scraped = [json.loads(line) for line in (run_dir / "rollout.jsonl").read_text().splitlines()]
+    scraped = [json.loads(line) for line in train.rollout.read_text().splitlines()]
     assert scraped and not any("error" in r for r in scraped)
     assert scraped[-1]["generation_tokens"] > 0 and scraped[-1]["requests_finished"] >= 6  # 3 steps x 2
-    summary = json.loads((run_dir / "train.json").read_text())
+    summary = json.loads(train.summary.read_text())
     assert summary["monitor"]["samples"] >= 1 and summary["monitor"]["errors"] == 0
 
 
 def test_report_to_passes_through_next_to_the_workbench_metrics(smoke_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_dir, _ = smoke_run
-    (events,) = (run_dir / "checkpoints" / "runs").rglob("events.out.tfevents.*")
+    run, _ = smoke_run
+    (events,) = (run.train.checkpoints / "runs").rglob("events.out.tfevents.*")
     accumulator = EventAccumulator(str(events))
     accumulator.Reload()
     tags = accumulator.Tags()["scalars"]
     assert "train/reward" in tags and "train/time/step" in tags  # TRL's and the workbench's, in the user's tracker
     assert [e.step for e in accumulator.Scalars("train/loss")] == [1, 2, 3]
-    assert (run_dir / "metrics.jsonl").read_text().count('"loss"') == 3
+    assert run.train.metrics.read_text().count('"loss"') == 3
 
 
 # --- a killed run keeps its lines; a STOP file stops cleanly -------------------------------------------------------
@@ -253,21 +256,23 @@ def _wait_for_lines(path: Path, n: int, proc, timeout: float = 240) -> None:
 
 def test_killing_the_trainer_leaves_every_line_readable(tmp_path, workbench_cmd, tiny_model_dir):
     run_dir = tmp_path / "killed"
+    train = RunDir(run_dir).train  # `workbench train --run-dir RUN` trains into RUN/train
     proc = _start_train(workbench_cmd, run_dir, free_port())
     try:
-        _wait_for_lines(run_dir / "metrics.jsonl", 8, proc)
+        _wait_for_lines(train.metrics, 8, proc)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the trainer and, through PDEATHSIG, its server
         proc.wait()
-    for name in ("metrics.jsonl", "devices.jsonl", "rollout.jsonl"):
-        text = (run_dir / name).read_text()
+    for path in (train.metrics, train.devices, train.rollout):
+        name = path.name
+        text = path.read_text()
         lines = text.splitlines()
         assert lines, name
         complete = lines if text.endswith("\n") else lines[:-1]
         assert all(isinstance(json.loads(line), dict) for line in complete), name
-        assert len(metrics.read_jsonl(run_dir / name)) == len(complete)
-    assert not (run_dir / "train.json").exists()
-    from workbench import report
+        assert len(records.read_jsonl(path)) == len(complete)
+    assert not train.summary.exists()
+    from workbench.observe import report
 
     page = report.build(run_dir).read_text()  # a report of what the killed run wrote
     assert "did not finish" in page and "data:image/png;base64," in page
@@ -275,17 +280,18 @@ def test_killing_the_trainer_leaves_every_line_readable(tmp_path, workbench_cmd,
 
 def test_stop_file_checkpoints_and_ends_the_run(tmp_path, workbench_cmd, tiny_model_dir):
     run_dir = tmp_path / "stopped"
+    train = RunDir(run_dir).train
     proc = _start_train(workbench_cmd, run_dir, free_port(), "trainer.save_steps=1000")
     try:
-        _wait_for_lines(run_dir / "metrics.jsonl", 3, proc)
+        _wait_for_lines(train.metrics, 3, proc)
         done = subprocess.run([*workbench_cmd, "stop", str(run_dir)], capture_output=True, text=True)
         assert done.returncode == 0 and "STOP" in done.stdout
         assert proc.wait(timeout=120) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    summary = json.loads((run_dir / "train.json").read_text())
+    summary = json.loads(train.summary.read_text())
     stopped = summary["stopped_early_at"]
     assert 3 <= stopped < 400 and summary["steps"] == stopped
-    assert (run_dir / "checkpoints" / f"checkpoint-{stopped}").is_dir()  # saved by the stop, not by save_steps
-    assert (run_dir / "final" / "model.safetensors").exists()
+    assert (train.checkpoints / f"checkpoint-{stopped}").is_dir()  # saved by the stop, not by save_steps
+    assert (train.final / "model.safetensors").exists()

@@ -4,8 +4,11 @@ from pathlib import Path
 
 import pytest
 
+from workbench import paths
+
 REPO = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+NOTEBOOK_DIR = paths.notebooks_dir()  # package data: workbench/notebooks (the top-level notebooks/ links to it)
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 
 def kernel() -> str:
@@ -34,6 +37,9 @@ def test_six_staged_notebooks():
     from workbench.pipeline import STAGES
 
     assert [p.stem for p in NOTEBOOKS] == list(STAGES.values())
+    # the checkout's notebooks/ is the same files (a link), so `jupyter lab notebooks/` opens what `workbench run` runs
+    assert sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb")) == [p.name for p in NOTEBOOKS]
+    assert (REPO / "notebooks").resolve() == NOTEBOOK_DIR.resolve()
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -57,15 +63,20 @@ def test_committed_without_outputs_and_with_a_typed_parameters_cell(path):
     assert len(params) == 1
     lines = [line for line in "".join(params[0]["source"]).splitlines() if line.strip()]
     assert any(line.startswith("recipe: str = ") for line in lines)
+    assert any(line.startswith("overrides: list = ") for line in lines)
+    assert any(line.startswith('run_dir: str = ""') for line in lines)  # the run ROOT; empty: a new run
     assert all(":" in line.split("=")[0] and "#" in line for line in lines)  # typed and commented
     assert nb["cells"][0]["cell_type"] == "markdown"
+    # one setup call: recipe loaded and resolved, run directory opened, as every entry point does
+    source = "".join("".join(c["source"]) for c in code if c is not params[0])
+    assert "notebook.setup(recipe, overrides, run_dir" in source
 
 
 def test_env_check_notebook_runs_under_papermill(tmp_path):
     import papermill
 
     out = tmp_path / "00_env_check.ipynb"
-    papermill.execute_notebook(str(REPO / "notebooks" / "00_env_check.ipynb"), str(out), kernel_name=kernel(),
+    papermill.execute_notebook(str(NOTEBOOK_DIR / "00_env_check.ipynb"), str(out), kernel_name=kernel(),
                                parameters={"run_dir": str(tmp_path / "run")}, cwd=str(tmp_path), progress_bar=False)
     nb = json.loads(out.read_text())
     html = [o["data"]["text/html"] for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])
@@ -81,7 +92,7 @@ def test_evaluation_notebook_runs_under_papermill(tmp_path, tiny_server):
 
     out = tmp_path / "05_evaluation.ipynb"
     overrides = ["server.mode=attach", f"server.url={tiny_server.url}", "eval.num_samples=32", "eval.repeats=2"]
-    papermill.execute_notebook(str(REPO / "notebooks" / "05_evaluation.ipynb"), str(out), kernel_name=kernel(),
+    papermill.execute_notebook(str(NOTEBOOK_DIR / "05_evaluation.ipynb"), str(out), kernel_name=kernel(),
                                parameters={"overrides": overrides, "run_dir": str(tmp_path / "run")},
                                cwd=str(tmp_path), progress_bar=False)
     nb = json.loads(out.read_text())
@@ -89,19 +100,25 @@ def test_evaluation_notebook_runs_under_papermill(tmp_path, tiny_server):
     markdown = "".join("".join(o["data"]["text/markdown"]) for o in outputs if "text/markdown" in o.get("data", {}))
     assert "| tiny-policy | 32 × 2 |" in markdown
     assert any("image/png" in o.get("data", {}) for o in outputs)
-    assert (tmp_path / "run" / "samples.jsonl").read_text().count("\n") == 64
+    run = tmp_path / "run"
+    assert (run / "eval" / "samples.jsonl").read_text().count("\n") == 64
+    (summary,) = json.loads((run / "eval" / "summary.json").read_text())
+    assert summary["n"] == 32 and summary["errors"] == 0
+    assert (run / "eval" / "comparison.png").stat().st_size > 0
+    assert "| tiny-policy |" in (run / "eval" / "comparison.md").read_text()
+    assert (run / "recipe.yaml").exists()  # a run root, with the recipe written once
 
 
 def test_offline_generation_notebook(tmp_path, tiny_model_dir):
     import papermill
 
     out = tmp_path / "01.ipynb"
-    papermill.execute_notebook(str(REPO / "notebooks" / "01_offline_generation.ipynb"), str(out), kernel_name=kernel(),
+    papermill.execute_notebook(str(NOTEBOOK_DIR / "01_offline_generation.ipynb"), str(out), kernel_name=kernel(),
                                parameters={"num_prompts": 6, "run_dir": str(tmp_path / "run")}, cwd=str(tmp_path),
                                progress_bar=False)
     outputs = outputs_of(out)
     assert "| question | completion | gold | correct |" in text_of(outputs, "text/markdown")
-    saved = json.loads((tmp_path / "run" / "offline.json").read_text())
+    saved = json.loads((tmp_path / "run" / "offline" / "offline.json").read_text())
     assert saved["prompts"] == 6 and saved["format_rate"] >= 0.5 and saved["tokens_per_second"] > 0
     assert all("<answer>" in r["completion"] for r in saved["rows"] if r["format"] > 0)
 
@@ -112,7 +129,7 @@ def test_offline_generation_notebook_fails_loudly(tmp_path, tiny_model_dir):
 
     out = tmp_path / "01.ipynb"
     with pytest.raises(PapermillExecutionError, match="follow the answer format"):
-        papermill.execute_notebook(str(REPO / "notebooks" / "01_offline_generation.ipynb"), str(out),
+        papermill.execute_notebook(str(NOTEBOOK_DIR / "01_offline_generation.ipynb"), str(out),
                                    kernel_name=kernel(), parameters={"num_prompts": 2, "min_format_rate": 1.01,
                                                                      "run_dir": str(tmp_path / "run")},
                                    cwd=str(tmp_path), progress_bar=False)
@@ -123,13 +140,14 @@ def test_serving_notebook_attached_to_a_running_server(tmp_path, tiny_server):
 
     out = tmp_path / "02.ipynb"
     overrides = ["server.mode=attach", f"server.url={tiny_server.url}"]
-    papermill.execute_notebook(str(REPO / "notebooks" / "02_serving.ipynb"), str(out), kernel_name=kernel(),
+    papermill.execute_notebook(str(NOTEBOOK_DIR / "02_serving.ipynb"), str(out), kernel_name=kernel(),
                                parameters={"overrides": overrides, "concurrencies": [1, 8], "num_requests": 16,
                                            "run_dir": str(tmp_path / "run")}, cwd=str(tmp_path), progress_bar=False)
     outputs = outputs_of(out)
     assert "one chat completion: '" in text_of(outputs, "text/plain")
     assert any("image/png" in o.get("data", {}) for o in outputs)
     assert "| requests in flight | requests/s |" in text_of(outputs, "text/markdown")
-    sweep = json.loads((tmp_path / "run" / "serving.json").read_text())
+    sweep = json.loads((tmp_path / "run" / "serving" / "serving.json").read_text())
+    assert (tmp_path / "run" / "serving" / "serving.png").stat().st_size > 0
     assert set(sweep["by_concurrency"]) == {"1", "8"} and sweep["n"] == 16
     assert sweep["by_concurrency"]["8"]["requests_per_second"] > sweep["by_concurrency"]["1"]["requests_per_second"]

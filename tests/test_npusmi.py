@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from workbench.npusmi import NpuSmiFormatError, parse_info, parse_usages
+from workbench.platform.npusmi import NpuSmiFormatError, parse_info, parse_usages
 
-# shared/ lies beside the checkout, here and in CI
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "npu-smi"
+# recorded on real hosts (tests/fixtures/npu-smi/README.md)
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "npu-smi"
 
 WIDE_DUAL_DIE = """\
 +--------------------------------------------------------------------------------------------------------+

@@ -8,7 +8,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from workbench import compat
+from workbench.platform import compat
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -92,3 +92,23 @@ def test_makefile_installs_what_the_readme_promises():
     assert "make test" in (REPO / ".ci" / "run").read_text()
     readme = (REPO / "README.md").read_text()
     assert "make demo" in readme and "make test" in readme
+
+
+def test_package_data_ships_every_non_python_file_of_the_package():
+    """Recipes, the version matrix and the staged notebooks live inside the package; a wheel must carry them."""
+    import fnmatch
+
+    from workbench import paths, recipe
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["workbench"]
+    package = REPO / "workbench"
+    data = [p.relative_to(package).as_posix() for p in package.rglob("*")
+            if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+    assert {"platform/compat.yaml", "recipe/recipes/cpu-tiny.yaml", "notebooks/05_evaluation.ipynb"} <= set(data)
+    assert [d for d in data if not any(fnmatch.fnmatch(d, g) for g in globs)] == []
+    assert recipe.RECIPES_DIR == package / "recipe" / "recipes"
+    assert Path(paths.notebooks_dir()).resolve() == package / "notebooks"
+    # tomllib (this file) needs 3.11; the project says so
+    assert Version("3.10") not in SpecifierSet(pyproject["project"]["requires-python"])
+    assert Version("3.11") in SpecifierSet(pyproject["project"]["requires-python"])

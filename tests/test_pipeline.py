@@ -13,6 +13,7 @@ import pytest
 
 from conftest import free_port
 from test_notebooks import outputs_of, text_of
+from workbench.recipe import yaml_load
 
 SECRET = "sk-workbench-test-7f3a9c"
 
@@ -51,16 +52,35 @@ def test_pipeline_runs_the_notebooks_into_one_run_directory(pipeline_run):
         assert (run_dir / "logs" / f"{name}.log").exists()
         nb = json.loads(executed.read_text())
         assert any("injected-parameters" in c["metadata"].get("tags", []) for c in nb["cells"])
+        # every stage gets the run's recipe.yaml (overrides already in it) and the run root
+        params = nb["metadata"]["papermill"]["parameters"]
+        assert Path(params.pop("recipe")).resolve() == (run_dir / "recipe.yaml").resolve()
+        assert Path(params.pop("run_dir")).resolve() == run_dir.resolve() and params.pop("overrides") == []
+        if stage == "eval":
+            assert params.pop("models") == {"base": "base", "trained": str((run_dir / "train" / "final").resolve())}
+        assert params == {}, stage
     assert "report: " in done.stdout and str(run_dir / "report.html") in done.stdout
     assert "held-out accuracy" in done.stdout and "points) on 24 problems" in done.stdout
 
 
 def test_pipeline_stage_outputs(pipeline_run):
     run_dir, _ = pipeline_run
+    # one run root: the recipe written once, every stage under its own directory
+    assert yaml_load((run_dir / "recipe.yaml").read_text())["trainer"]["max_steps"] == 8
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["ok"] and any(c["name"] == "gloo all-reduce" and c["status"] == "pass" for c in env["checks"])
+    assert not [p.name for p in run_dir.iterdir() if p.suffix == ".jsonl"]  # no stage output left at the root
     # smoke: every check passed, shown as a table
     checks = json.loads((run_dir / "smoke" / "smoke_checks.json").read_text())
     assert [c["name"] for c in checks if not c["ok"]] == [] and len(checks) == 6
     assert "| loss finite | pass |" in text_of(outputs_of(run_dir / "notebooks" / "03_smoke_grpo.ipynb"), "text/markdown")
+    # the smoke run is a training directory of its own, with the smoke variant of the recipe beside it
+    smoke_recipe = yaml_load((run_dir / "smoke" / "recipe.yaml").read_text())
+    assert smoke_recipe["trainer"]["max_steps"] == 3 and smoke_recipe["server"] == yaml_load(
+        (run_dir / "recipe.yaml").read_text())["server"]
+    smoke_steps = {json.loads(line).get("step") for line in (run_dir / "smoke" / "metrics.jsonl").read_text().splitlines()}
+    assert 3 in smoke_steps and 8 not in smoke_steps
+    assert json.loads((run_dir / "smoke" / "train.json").read_text())["steps"] == 3
     # train: the dashboard left a static PNG, the summary table and the advisor in the executed notebook
     outputs = outputs_of(run_dir / "notebooks" / "04_full_grpo.ipynb")
     assert any("image/png" in o.get("data", {}) for o in outputs)
@@ -74,6 +94,10 @@ def test_pipeline_stage_outputs(pipeline_run):
     # eval: base and trained, both through the server
     evals = json.loads((run_dir / "eval" / "summary.json").read_text())
     assert [e["model"] for e in evals] == ["base", "trained"] and all(e["n"] == 24 and e["errors"] == 0 for e in evals)
+    assert (run_dir / "eval" / "samples.jsonl").read_text().count("\n") == 2 * 24
+    table = (run_dir / "eval" / "comparison.md").read_text()
+    assert "| base |" in table and "| trained |" in table
+    assert (run_dir / "eval" / "comparison.png").stat().st_size > 0
 
 
 def test_run_directory_keeps_the_environment_with_secrets_redacted(pipeline_run):
@@ -191,13 +215,40 @@ def test_the_network_check_catches_an_external_resource(tmp_path):
     assert "http://cdn.example.org/plot.png" in seen
 
 
-def test_failing_stage_stops_the_run_and_names_its_notebook(workbench_cmd, tmp_path, tiny_model_dir):
+def test_stage_parameters_point_every_notebook_at_the_run(tmp_path):
+    from workbench import recipe
+    from workbench.pipeline import STAGES, stage_parameters
+    from workbench.rundir import RunDir
+
+    run = RunDir.create(recipe.load("cpu-tiny", [f"monitor.runs_dir={tmp_path}"]), "run")
+    base = {"recipe": str(run.recipe), "overrides": [], "run_dir": str(run.path)}
+    for stage in STAGES:
+        expected = {**base, "models": {"base": "base"}} if stage == "eval" else base
+        assert stage_parameters(stage, run) == expected, stage
+    # once the training saved a final model, the evaluation compares it with the base
+    run.train.final.mkdir(parents=True)
+    (run.train.final / "model.safetensors").write_bytes(b"")
+    assert stage_parameters("eval", run)["models"] == {"base": "base", "trained": str(run.train.final)}
+
+
+def test_missing_model_fails_before_any_stage(workbench_cmd, tmp_path):
+    """The recipe is resolved once, at the entry point: a model path that does not exist stops `workbench run`
+    before a run directory or a kernel is made."""
     missing = tmp_path / "no-such-model"
     done = run_pipeline(workbench_cmd, tmp_path / "runs", "env,offline,serving", f"model.path={missing}")
     assert done.returncode == 2
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: model.path {missing} does not exist") and "fix:" in message
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_failing_stage_stops_the_run_and_names_its_notebook(workbench_cmd, tmp_path, tiny_model_dir):
+    # resolves and passes the environment check, then fails in the offline stage: more eval rows than held out
+    done = run_pipeline(workbench_cmd, tmp_path / "runs", "env,offline,serving", "eval.num_samples=100000")
+    assert done.returncode == 2
     (run_dir,) = (tmp_path / "runs").iterdir()
     record = json.loads((run_dir / "run.json").read_text())
-    assert f"model.path {missing} does not exist" in record["error"]
+    assert "eval.num_samples=100000 but the held-out split has 300" in record["error"]
     assert record["failed_stage"] == "offline" and record["results"]["env"]["status"] == "passed"
     assert "serving" not in record["results"]  # stopped at the first failure
     executed = run_dir / "notebooks" / "01_offline_generation.ipynb"
@@ -207,3 +258,4 @@ def test_failing_stage_stops_the_run_and_names_its_notebook(workbench_cmd, tmp_p
     assert message.startswith("error: stage 'offline' failed") and str(executed) in message
     assert "logs/01_offline_generation.log" in message and (run_dir / "report.html").exists()
     assert "stage 'offline' failed" in (run_dir / "report.html").read_text()
+    assert not (run_dir / "offline" / "offline.json").exists()

@@ -5,6 +5,13 @@ import yaml
 
 from workbench import recipe
 from workbench.errors import WorkbenchError
+from workbench.recipe import trl_fields
+from workbench.training import config as training_config
+
+
+def grpo_config(r, output_dir, platform=None):
+    """The real trl.GRPOConfig for a loaded recipe, resolved (on `platform` when given, else the recipe's own)."""
+    return training_config.grpo_config(recipe.resolve(r, platform=platform), output_dir)
 
 
 @pytest.mark.parametrize("name", ["cpu-tiny", "smoke", "ascend-910b-8card"])
@@ -13,7 +20,7 @@ def test_shipped_recipes_load_and_build_a_real_grpo_config(name, tmp_path):
 
     r = recipe.load(name)
     assert r.name == name and r.description
-    config = recipe.grpo_config(r, str(tmp_path))
+    config = grpo_config(r, str(tmp_path))
     assert isinstance(config, GRPOConfig)
     assert config.use_vllm and config.vllm_mode == "server"
     assert config.vllm_server_base_url == f"http://127.0.0.1:{r.server.port}"
@@ -26,7 +33,7 @@ def test_ascend_recipe_is_the_field_configuration(tmp_path):
     assert r.devices.server == [0, 1, 2, 3] and r.devices.trainer == [4, 5, 6, 7]
     assert r.server.tensor_parallel_size == 4 and r.server.max_model_len == 1024
     assert r.devices.env["HCCL_CONNECT_TIMEOUT"] == "1800"
-    config = recipe.grpo_config(r, str(tmp_path))
+    config = grpo_config(r, str(tmp_path))
     assert (config.learning_rate, config.beta, config.num_generations, config.max_completion_length) == (1e-6, 0.01, 4, 512)
     assert config.bf16 and not config.use_cpu and config.gradient_checkpointing
     assert config.per_device_train_batch_size == 2 and config.gradient_accumulation_steps == 4
@@ -41,7 +48,7 @@ def test_smoke_extends_cpu_tiny():
 
 
 def test_cpu_platform_turns_off_bf16(tmp_path):
-    config = recipe.grpo_config(recipe.load("cpu-tiny"), str(tmp_path), platform="cpu")
+    config = grpo_config(recipe.load("cpu-tiny"), str(tmp_path), platform="cpu")
     assert config.use_cpu and not config.bf16
 
 
@@ -81,9 +88,26 @@ def test_recipe_from_a_yaml_path_round_trips(tmp_path):
 def test_bad_input_is_one_clear_line(override, pattern):
     with pytest.raises(WorkbenchError, match=pattern) as info:
         r = recipe.load("cpu-tiny", [override])
-        recipe.grpo_config(r, "/tmp/unused", platform="cpu")
+        grpo_config(r, "/tmp/unused", platform="cpu")
     message = str(info.value)
     assert "\n" not in message and "fix:" in message
+
+
+def test_trainer_keys_are_read_from_trl_source_without_importing_it():
+    import subprocess
+    import sys
+
+    # recipe.load checks trainer keys against TRL's source (ast), so loading a recipe never imports TRL/torch
+    code = ("import sys; from workbench import recipe; recipe.load('cpu-tiny', ['trainer.beta=0.0']); "
+            "print(sorted(m for m in ('trl', 'torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+    # and the names read from source are exactly the real GRPOConfig's fields
+    from trl import GRPOConfig
+
+    assert trl_fields.names() == {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert trl_fields.default("num_generations") == GRPOConfig.__dataclass_fields__["num_generations"].default
 
 
 def test_missing_recipe_lists_available():
@@ -112,4 +136,4 @@ def test_yes_no_stay_strings_true_false_are_booleans(tmp_path):
     path.write_text("extends: smoke\ntrainer:\n  save_strategy: no\n  bf16: false\n")
     loaded = recipe.load(str(path))
     assert loaded.trainer["save_strategy"] == "no" and loaded.trainer["bf16"] is False
-    assert recipe.grpo_config(loaded, str(tmp_path), platform="cpu").save_strategy == "no"
+    assert grpo_config(loaded, str(tmp_path), platform="cpu").save_strategy == "no"

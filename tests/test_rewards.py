@@ -1,6 +1,6 @@
 import pytest
 
-from workbench import rewards
+from workbench.tasks import rewards
 from workbench.errors import WorkbenchError
 
 

@@ -15,12 +15,13 @@ import pytest
 import requests
 
 from conftest import free_port
-from workbench import recipe, server
+from workbench import recipe
 from workbench.errors import WorkbenchError
-from workbench.server import VLLMServer, group_members
+from workbench.serving import launch
+from workbench.serving.server import VLLMServer, group_members
 
 
-def test_server_answers_chat_and_serves_the_recipe_name(tiny_server, server_recipe):
+def test_server_answers_chat_and_serves_the_recipe_name(tiny_server, server_recipe, server_rr):
     body = tiny_server.chat("What is 12 + 34?", max_tokens=40)
     assert body["model"] == "tiny-policy"
     text = body["choices"][0]["message"]["content"]
@@ -29,15 +30,16 @@ def test_server_answers_chat_and_serves_the_recipe_name(tiny_server, server_reci
     assert [m["id"] for m in models] == ["tiny-policy"] and models[0]["max_model_len"] == 256
     assert tiny_server.log_path.exists() and "--served-model-name tiny-policy" in tiny_server.log_path.read_text()
     assert tiny_server.startup_seconds and tiny_server.startup_seconds < server_recipe.server.startup_timeout_s
-    # the CPU device split: every server process pinned to devices.server
+    # the CPU device split: every server process pinned to the server role's cores (devices.server)
     members = group_members(tiny_server.pgid)
     assert members
-    assert {tuple(psutil.Process(pid).cpu_affinity()) for pid in members} == {tuple(server_recipe.devices.server)}
+    assert server_rr.server.devices == tuple(server_recipe.devices.server)
+    assert {tuple(psutil.Process(pid).cpu_affinity()) for pid in members} == {server_rr.server.devices}
 
 
 def test_stop_leaves_no_process_behind(server_recipe, tiny_model_dir, tmp_path):
-    r = recipe.load(server_recipe, {"server.port": free_port()})
-    with VLLMServer(r, str(tiny_model_dir), tmp_path, quiet=True) as srv:
+    rr = recipe.resolve(recipe.load(server_recipe, {"server.port": free_port()}))
+    with VLLMServer(rr, str(tiny_model_dir), tmp_path, quiet=True) as srv:
         pgid = srv.pgid
         assert len(group_members(pgid)) >= 2  # API server and engine core
         assert srv.chat("What is 10 + 10?", max_tokens=8)["choices"]
@@ -52,9 +54,9 @@ def test_server_dies_with_its_parent(server_recipe, tiny_model_dir, tmp_path):
     script = textwrap.dedent(f"""
         import time
         from workbench import recipe
-        from workbench.server import VLLMServer
-        r = recipe.load("cpu-tiny", ["server.port={port}", "monitor.runs_dir={tmp_path}"])
-        srv = VLLMServer(r, "{tiny_model_dir}", "{tmp_path}", quiet=True).start()
+        from workbench.serving.server import VLLMServer
+        rr = recipe.resolve(recipe.load("cpu-tiny", ["server.port={port}", "monitor.runs_dir={tmp_path}"]))
+        srv = VLLMServer(rr, "{tiny_model_dir}", "{tmp_path}", quiet=True).start()
         print(srv.pgid, flush=True)
         time.sleep(600)
     """)
@@ -70,8 +72,8 @@ def test_server_dies_with_its_parent(server_recipe, tiny_model_dir, tmp_path):
 
 
 def test_startup_timeout_stops_the_server_and_says_why(server_recipe, tiny_model_dir, tmp_path):
-    r = recipe.load(server_recipe, {"server.port": free_port(), "server.startup_timeout_s": 3})
-    srv = VLLMServer(r, str(tiny_model_dir), tmp_path, quiet=True)
+    rr = recipe.resolve(recipe.load(server_recipe, {"server.port": free_port(), "server.startup_timeout_s": 3}))
+    srv = VLLMServer(rr, str(tiny_model_dir), tmp_path, quiet=True)
     with pytest.raises(WorkbenchError, match=r"(?s)did not answer /health within 3s.*raise server.startup_timeout_s"):
         srv.start()
     assert srv.process is None
@@ -81,9 +83,9 @@ def test_server_exiting_during_startup_shows_log_tail(server_recipe, tmp_path):
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
-    r = recipe.load(server_recipe, {"server.port": free_port()})
+    rr = recipe.resolve(recipe.load(server_recipe, {"server.port": free_port()}))
     with pytest.raises(WorkbenchError, match=r"(?s)exited with status \d+ during start-up; last lines of .*likely cause") as info:
-        VLLMServer(r, str(broken), tmp_path, quiet=True).start()
+        VLLMServer(rr, str(broken), tmp_path, quiet=True).start()
     assert "no-such-architecture" in str(info.value)
 
 
@@ -92,24 +94,24 @@ def test_port_in_use_names_the_process(server_recipe, tiny_model_dir, tmp_path):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        r = recipe.load(server_recipe, {"server.port": port})
+        rr = recipe.resolve(recipe.load(server_recipe, {"server.port": port}))
         with pytest.raises(WorkbenchError, match=rf"port {port} on 127.0.0.1 is already in use by pid {os.getpid()}"):
-            VLLMServer(r, str(tiny_model_dir), tmp_path, quiet=True).start()
+            VLLMServer(rr, str(tiny_model_dir), tmp_path, quiet=True).start()
 
 
 def test_network_address_without_api_key_is_refused(server_recipe, tiny_model_dir, tmp_path, monkeypatch):
-    r = recipe.load(server_recipe, {"server.host": "0.0.0.0"})
+    rr = recipe.resolve(recipe.load(server_recipe, {"server.host": "0.0.0.0"}))
     with pytest.raises(WorkbenchError, match=r"server.host=0.0.0.0 exposes .*no API key.*api_key_env"):
-        VLLMServer(r, str(tiny_model_dir), tmp_path, quiet=True).start()
-    monkeypatch.setenv("WB_TEST_KEY", "s3cret")
-    keyed = recipe.load(server_recipe, {"server.host": "0.0.0.0", "server.api_key_env": "WB_TEST_KEY"})
-    server.check_exposure(keyed)  # allowed with a key (and a warning)
-    assert "s3cret" not in " ".join(server.launch_command(keyed, str(tiny_model_dir)))
-    assert server.launch_environment(keyed)["VLLM_API_KEY"] == "s3cret"
+        VLLMServer(rr, str(tiny_model_dir), tmp_path, quiet=True).start()
+    monkeypatch.setenv("WB_TEST_KEY", "s3cret")  # before resolving: the key is read from the variable then
+    keyed = recipe.resolve(recipe.load(server_recipe, {"server.host": "0.0.0.0", "server.api_key_env": "WB_TEST_KEY"}))
+    launch.check_exposure(keyed)  # allowed with a key (and a warning)
+    assert "s3cret" not in " ".join(launch.command(keyed, str(tiny_model_dir)))
+    assert launch.environment(keyed)["VLLM_API_KEY"] == "s3cret"
 
 
 def _attach(server_recipe, url, **overrides):
-    return recipe.load(server_recipe, {"server.mode": "attach", "server.url": url, **overrides})
+    return recipe.resolve(recipe.load(server_recipe, {"server.mode": "attach", "server.url": url, **overrides}))
 
 
 def test_attach_checks_the_served_name(tiny_server, server_recipe):
@@ -151,22 +153,23 @@ def test_attach_to_something_that_is_not_vllm(server_recipe):
 
 def test_launch_command_per_platform(tmp_path):
     r = recipe.load("ascend-910b-8card")
-    cmd = server.launch_command(r, "/models/policy", platform="npu")
+    npu = recipe.resolve(r, platform="npu")
+    cmd = launch.command(npu, "/models/policy")
     assert cmd[:3] == ["vllm", "serve", "/models/policy"]
     flags = dict(zip(cmd[3::2], cmd[4::2]))
     assert flags["--served-model-name"] == "policy-7b" and flags["--tensor-parallel-size"] == "4"
     assert flags["--max-model-len"] == "1024" and flags["--max-num-batched-tokens"] == "2048"
     assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "hccl"}
-    env = server.launch_environment(r, platform="npu")
+    env = launch.environment(npu)
     assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3" and env["HCCL_CONNECT_TIMEOUT"] == "1800"
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
-    cuda = server.launch_environment(recipe.load("ascend-910b-8card", ["devices.platform=cuda"]))
+    cuda = launch.environment(recipe.resolve(recipe.load("ascend-910b-8card", ["devices.platform=cuda"])))
     assert cuda["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
-    cpu = recipe.load("cpu-tiny")
-    cpu_cmd = server.launch_command(cpu, "/m", platform="cpu")
-    assert cpu_cmd[1:4] == ["-m", "workbench.vllm_cpu", "serve"] and "--weight-transfer-config" not in cpu_cmd
+    cpu = recipe.resolve(recipe.load("cpu-tiny"), platform="cpu")
+    cpu_cmd = launch.command(cpu, "/m")
+    assert cpu_cmd[1:4] == ["-m", "workbench.serving.vllm_cpu", "serve"] and "--weight-transfer-config" not in cpu_cmd
     assert "--gpu-memory-utilization" not in cpu_cmd
-    cpu_env = server.launch_environment(cpu, platform="cpu")
+    cpu_env = launch.environment(cpu)
     assert cpu_env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and cpu_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert server.weight_sync_method(cpu, "cpu") == "reload"
-    assert server.weight_sync_method(r, "cuda") == "nccl" and server.weight_sync_method(r, "npu") == "hccl"
+    assert cpu.weight_sync == "reload"
+    assert recipe.resolve(r, platform="cuda").weight_sync == "nccl" and npu.weight_sync == "hccl"

@@ -5,8 +5,11 @@ import math
 import pytest
 import torch
 
-from workbench import recipe, server, sync
-from workbench.trainer import JsonlMetrics, build_trainer
+from workbench import recipe
+from workbench.serving import sync
+from workbench.serving.client import sequence_logprobs
+from workbench.training.callbacks import JsonlMetrics
+from workbench.training.trainer import build_trainer
 
 
 def _trainer(server_recipe, tiny_model_dir, tmp_path, weight_sync, **overrides):
@@ -15,7 +18,7 @@ def _trainer(server_recipe, tiny_model_dir, tmp_path, weight_sync, **overrides):
                                     "trainer.warmup_steps": 0, "trainer.lr_scheduler_type": "constant",
                                     "trainer.vllm_importance_sampling_correction": True,
                                     "trainer.save_strategy": "no", "trainer.log_completions": False, **overrides})
-    trainer = build_trainer(r, str(tiny_model_dir), tmp_path / "out", weight_sync, platform="cpu")
+    trainer = build_trainer(recipe.resolve(r, platform="cpu"), str(tiny_model_dir), tmp_path / "out", weight_sync)
     trainer.add_callback(JsonlMetrics(tmp_path / "metrics.jsonl"))
     return trainer
 
@@ -49,7 +52,8 @@ def _reset_server_weights(tiny_server, tiny_model_dir):
     client.reset_prefix_cache()
 
 
-def test_reload_sync_puts_the_trained_weights_on_the_server(tiny_server, server_recipe, tiny_model_dir, tmp_path):
+def test_reload_sync_puts_the_trained_weights_on_the_server(tiny_server, server_recipe, server_rr, tiny_model_dir,
+                                                            tmp_path):
     trainer = _trainer(server_recipe, tiny_model_dir, tmp_path, sync.ReloadSync(tmp_path / "sync"),
                        **{"trainer.max_steps": 1})
     ids = _fixed_sequence(trainer)
@@ -59,7 +63,7 @@ def test_reload_sync_puts_the_trained_weights_on_the_server(tiny_server, server_
     assert any(not torch.equal(p, params_before[n]) for n, p in trainer.model.named_parameters())
     trainer.vllm_generation.sync_weights()  # the push TRL makes before the next generation
     after = _model_logprobs(trainer.model, ids)
-    served = server.sequence_logprobs(tiny_server.url, "tiny-policy", ids)
+    served = sequence_logprobs(server_rr, ids, url=tiny_server.url)
     assert _mean_abs(served, after) < 0.05, "server does not hold the trainer's weights"
     assert _mean_abs(served, before) > 0.1, "the step did not move the weights enough to tell"
     assert _mean_abs(before, after) > 0.1
@@ -163,19 +167,21 @@ def test_hccl_without_vllm_ascend_says_what_to_install():
 
 
 def test_smoke_run_through_the_server(smoke_run):
-    run_dir, port = smoke_run
-    logs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run, port = smoke_run
+    train_dir = run.train  # `workbench train` keeps its training files in RUN/train/
+    logs = [json.loads(line) for line in train_dir.metrics.read_text().splitlines()]
     steps = [r for r in logs if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and "reward" in r and "kl" in r for r in steps)
     assert all(r["sync/count"] >= 1 and r["sync/seconds"] > 0 for r in steps)
-    prom = (run_dir / "server_metrics.prom").read_text()
+    prom = train_dir.server_metrics.read_text()
     served = sum(float(line.rsplit(" ", 1)[1]) for line in prom.splitlines()
                  if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' not in line)
     assert served >= 3  # one prompt x 2 generations per step, 3 steps
-    assert (run_dir / "final" / "model.safetensors").exists() and (run_dir / "final" / "tokenizer.json").exists()
-    assert (run_dir / "checkpoints" / "checkpoint-3").is_dir()
-    summary = json.loads((run_dir / "train.json").read_text())
+    assert (train_dir.final / "model.safetensors").exists() and (train_dir.final / "tokenizer.json").exists()
+    assert (train_dir.checkpoints / "checkpoint-3").is_dir()
+    assert run.recipe.is_file()  # the run's recipe at its root, the training below it
+    summary = json.loads(train_dir.summary.read_text())
     assert summary["steps"] == 3 and summary["weight_sync"] == "reload"
     import psutil
     assert not [p for p in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(p.info["cmdline"] or [])]
@@ -184,10 +190,10 @@ def test_smoke_run_through_the_server(smoke_run):
 def test_training_pins_to_trainer_cores_and_gives_them_back():
     import os
 
-    from workbench.trainer import _pinned_to_trainer_cores
+    from workbench.training.train import _pinned_to_trainer_cores
 
     before = os.sched_getaffinity(0)
-    r = recipe.load("cpu-tiny")
-    with _pinned_to_trainer_cores(r, "cpu"):
-        assert os.sched_getaffinity(0) == set(r.devices.trainer) and torch.get_num_threads() == 1
+    rr = recipe.resolve(recipe.load("cpu-tiny"), platform="cpu")
+    with _pinned_to_trainer_cores(rr):
+        assert os.sched_getaffinity(0) == set(rr.trainer.devices) and torch.get_num_threads() == 1
     assert os.sched_getaffinity(0) == before  # a later stage (the eval server) may use the server's cores again

@@ -5,7 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from workbench import recipe, tinymodel
+from workbench import recipe
+from workbench.tasks import tinymodel
 from workbench.errors import WorkbenchError
 
 SMALL = ["model.tiny.pretrain_steps=8", "model.tiny.eval_size=8", "model.tiny.batch_size=8"]
@@ -63,15 +64,28 @@ def test_default_tiny_model_follows_format_but_is_often_wrong(tiny_model_dir):
     assert tok.tokenize("4567") == ["4", "5", "6", "7"]
 
 
-def test_resolve_model_path_errors(tmp_path, tiny_model_dir, cpu_recipe):
-    assert tinymodel.resolve_model_path(cpu_recipe, build=False) == str(tiny_model_dir)
+def test_resolved_model_path_and_errors(tmp_path, tiny_model_dir, cpu_recipe):
+    rr = recipe.resolve(cpu_recipe)
+    assert rr.is_tiny and rr.model_path == str(tiny_model_dir)
+    assert tinymodel.ensure_model(rr, log=lambda *_: None) == str(tiny_model_dir)  # cached: nothing built
     with pytest.raises(WorkbenchError, match="does not exist.*model.path"):
-        tinymodel.resolve_model_path(recipe.load("cpu-tiny", ["model.path=/nowhere/model"]))
+        recipe.resolve(recipe.load("cpu-tiny", ["model.path=/nowhere/model"]))
     (tmp_path / "empty").mkdir()
     with pytest.raises(WorkbenchError, match="has no config.json"):
-        tinymodel.resolve_model_path(recipe.load("cpu-tiny", [f"model.path={tmp_path / 'empty'}"]))
+        recipe.resolve(recipe.load("cpu-tiny", [f"model.path={tmp_path / 'empty'}"]))
     # a hub id is passed through for the loaders to fetch
-    assert tinymodel.resolve_model_path(recipe.load("cpu-tiny", ["model.path=Qwen/Qwen2.5-0.5B"])) == "Qwen/Qwen2.5-0.5B"
+    hub = recipe.resolve(recipe.load("cpu-tiny", ["model.path=Qwen/Qwen2.5-0.5B"]))
+    assert hub.model_path == "Qwen/Qwen2.5-0.5B" and not hub.is_tiny
+    assert tinymodel.ensure_model(hub) == "Qwen/Qwen2.5-0.5B"
+
+
+def test_ensure_model_builds_a_missing_tiny_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_DATA", str(tmp_path))
+    rr = recipe.resolve(recipe.load("cpu-tiny", SMALL))
+    assert rr.model_path == str(tmp_path / "tiny-model" / tinymodel.model_dir(rr.recipe).name)
+    assert not (tmp_path / "tiny-model").exists()  # resolving does not build
+    assert tinymodel.ensure_model(rr, log=lambda *_: None) == rr.model_path
+    assert tinymodel.info(rr.model_path)["heldout"]["n"] == 8
 
 
 def test_tokenizer_without_chat_template_is_refused(tmp_path, tiny_model_dir):

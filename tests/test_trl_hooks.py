@@ -1,4 +1,4 @@
-"""Fails when the TRL 1.16 internals the weight-sync integration relies on change (see workbench/trainer.py)."""
+"""Fails when the TRL 1.16 internals the weight-sync integration relies on change (see workbench/training/trainer.py)."""
 import inspect
 import re
 import types
@@ -9,7 +9,7 @@ from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer import grpo_trainer
 
-from workbench.trainer import vllm_generation_kwargs
+from workbench.training.trainer import vllm_generation_kwargs
 
 
 def test_trl_is_the_pinned_version():

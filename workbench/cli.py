@@ -6,125 +6,165 @@
     workbench tiny-model --recipe cpu-tiny
     python -m workbench ...            # the same
 
-Overrides are `section.key=value` words after the options; bad input ends with one line naming the cause and
-the fix, and exit status 2.
+This is an entry point: it loads the recipe, resolves it once (workbench.recipe.resolve) and hands the result to
+the stage. Overrides are `section.key=value` words after the options; bad input ends with one line naming the
+cause and the fix, and exit status 2. Each subcommand's description is the docstring of the module that does the
+work (read from the file, so `--help` imports nothing heavy).
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
+from pathlib import Path
 from typing import Callable
 
 from workbench.errors import WorkbenchError
 
-STAGES_TODO = {  # name: (issue, one-line help, description)
-    "bench": (None, "compare rollout paths on this machine",
-              "Compare rollout paths (in-process, colocated, server) on this machine, as ratios from one run."),
+PACKAGE = Path(__file__).resolve().parent
+TODO = {  # name: one-line help
+    "bench": "compare rollout paths (in-process, colocated, server, async) on this machine (not built yet)",
 }
 
 
-def _add_recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", "-r", default="cpu-tiny",
-                   help="recipe name (see `workbench recipe list`) or path of a YAML file (default: cpu-tiny)")
+def _doc(module: str) -> str:
+    """The first paragraph of a module's docstring, read without importing it."""
+    path = PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    try:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    except (OSError, SyntaxError):
+        return ""
+    return doc.split("\n\n")[0].replace("\n", " ")
+
+
+def _recipe_args(p: argparse.ArgumentParser, default: str | None = "cpu-tiny") -> None:
+    p.add_argument("--recipe", "-r", default=default,
+                   help="recipe name (see `workbench recipe list`) or path of a YAML file"
+                        + (f" (default: {default})" if default else ""))
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="override recipe values, e.g. trainer.learning_rate=5e-6 server.port=8011")
 
+
+def _resolved(args: argparse.Namespace):
+    from workbench import recipe
+
+    return recipe.resolve(recipe.load(args.recipe, args.overrides))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Commands
 
 def cmd_recipe(args: argparse.Namespace) -> int:
     from workbench import recipe
 
     if args.action == "list":
         for name in recipe.available():
-            r = recipe.load(name)
-            print(f"{name:22s} {r.description}")
+            print(f"{name:22s} {recipe.load(name).description}")
         return 0
     if not args.name:
         raise WorkbenchError("`workbench recipe show` needs a recipe name", f"use one of: {', '.join(recipe.available())}")
-    r = recipe.load(args.name, args.overrides)
-    print(r.to_yaml(), end="")
-    platform = recipe.resolve_platform(r)
-    config = recipe.grpo_config(r, output_dir=f"{r.monitor.runs_dir}/<run-id>", platform=platform)
-    print(f"# trainer section builds trl.GRPOConfig for platform {platform!r}: "
-          f"{config.per_device_train_batch_size} completions/device/step, {config.num_generations} generations, "
-          f"lr {config.learning_rate:g}, beta {config.beta:g}, use_vllm={config.use_vllm}")
+    rr = recipe.resolve(recipe.load(args.name, args.overrides))
+    print(rr.recipe.to_yaml(), end="")
+    d = rr.describe()
+    print(f"# resolved: platform {d['platform']}, model {d['model_path']}, weight sync {d['weight_sync']}, "
+          f"server {d['server_url']} on {d['server']['devices']}, trainer on {d['trainer']['devices']}")
+    print(f"# trainer keys checked against trl.GRPOConfig's {len(recipe.trl_fields.names())} arguments")
+    if args.check:
+        from workbench.training.config import grpo_config
+
+        config = grpo_config(rr, output_dir=f"{rr.recipe.monitor.runs_dir}/<run-id>")
+        print(f"# built trl.GRPOConfig for platform {rr.platform!r}: {config.per_device_train_batch_size} "
+              f"completions/device/step, {config.num_generations} generations, lr {config.learning_rate:g}, "
+              f"beta {config.beta:g}, use_vllm={config.use_vllm}")
     return 0
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from workbench import recipe, tinymodel
+    from workbench.tasks import tinymodel
 
-    r = recipe.load(args.recipe, args.overrides)
-    path = tinymodel.ensure(r, force=args.force)
-    print(path)
+    rr = _resolved(args)
+    print(tinymodel.ensure(rr.recipe, force=args.force))
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from workbench import pipeline, recipe
+    from workbench import pipeline
 
-    r = recipe.load(args.recipe, args.overrides)
     stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
-    pipeline.run(r, stages)
+    pipeline.run(_resolved(args), stages)
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from workbench import report
+    from workbench.observe import report
+    from workbench.rundir import RunDir
 
-    print(report.build(args.run_dir))
+    print(report.build(RunDir.open(args.run_dir)))
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from workbench import recipe, server, tinymodel
-    from workbench.rundir import new_run_dir
+    from workbench.rundir import RunDir
+    from workbench.serving import launch, server
+    from workbench.tasks import tinymodel
 
-    r = recipe.load(args.recipe, args.overrides)
-    if r.server.mode == "attach":
-        entry = server.VLLMServer(r).start().model_entry
-        print(f"attached: {server.server_url(r)} serves {r.server.served_model_name!r} "
+    rr = _resolved(args)
+    if rr.recipe.server.mode == "attach":
+        entry = server.VLLMServer(rr).start().model_entry
+        print(f"attached: {rr.server_url} serves {rr.recipe.server.served_model_name!r} "
               f"(max_model_len {entry['max_model_len']})")
         return 0
-    model_path = args.model or tinymodel.resolve_model_path(r)
+    model_path = args.model or tinymodel.ensure_model(rr)
     if args.print_command:
-        print(" ".join(server.launch_command(r, model_path)))
+        print(" ".join(launch.command(rr, model_path)))
         return 0
-    server.serve_forever(r, model_path, new_run_dir(r, "serve"))
+    server.serve_forever(rr, model_path, RunDir.create(rr.recipe, "serve").serving.make().path)
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from workbench import recipe, trainer
+    from workbench import recipe
+    from workbench.rundir import RunDir
+    from workbench.training.train import train
 
-    r = recipe.load(args.recipe, args.overrides)
-    run_dir = None
-    if args.run_dir:
-        from pathlib import Path
-        from workbench.rundir import write_atomic
+    if args.run_dir and (Path(args.run_dir) / "recipe.yaml").exists():
+        if args.recipe or args.overrides:
+            raise WorkbenchError(f"{args.run_dir} already has its recipe.yaml; --recipe and overrides would make the "
+                                 "run differ from it", "drop them, or train into a new run directory")
+        run = RunDir.open(args.run_dir)
+        r = recipe.load(str(run.recipe))
+    else:
+        r = recipe.load(args.recipe or "cpu-tiny", args.overrides)
+        run = RunDir.at(args.run_dir, r) if args.run_dir else RunDir.create(r, "train")
+    train(recipe.resolve(r), run.train)
+    print(f"run directory: {run.path}")
+    return 0
 
-        run_dir = Path(args.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "recipe.yaml", r.to_yaml())
-    result = trainer.train(r, run_dir=run_dir)
-    print(f"run directory: {result.run_dir}")
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from workbench import plan
+
+    print(plan.plan(_resolved(args)).text())
     return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from workbench.metrics import request_stop
+    from workbench.rundir import RunDir
 
-    flag = request_stop(args.run_dir, "workbench stop")
+    flag = RunDir.open(args.run_dir).train.request_stop("workbench stop")
     print(f"wrote {flag}: the run checkpoints and ends after its current step")
     return 0
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from pathlib import Path
-    from workbench import advisor, rundata
+    from workbench.observe import advisor, rundata
+    from workbench.rundir import RunDir
 
-    if not Path(args.run_dir, "metrics.jsonl").exists():
-        raise WorkbenchError(f"no metrics.jsonl in {args.run_dir}", "pass a training run directory (runs/<id>)")
-    findings = advisor.advise(rundata.load(args.run_dir))
+    run = RunDir.open(args.run_dir)
+    if not run.train.metrics.exists():
+        raise WorkbenchError(f"no training metrics in {args.run_dir} ({run.train.metrics} is missing)",
+                             "pass a run directory that trained (runs/<id>)")
+    findings = advisor.advise(rundata.load(run.train))
     for finding in findings:
         print(finding.text())
     if not findings:
@@ -133,169 +173,132 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from workbench import env, recipe
-    from workbench.rundir import new_run_dir
+    from workbench.platform import envcheck
+    from workbench.rundir import RunDir
 
-    r = recipe.load(args.recipe, args.overrides)
-    report = env.check(r, collective=not args.no_collective)
+    rr = _resolved(args)
+    report = envcheck.check(rr, collective=not args.no_collective)
     print(report.to_text())
-    path = report.save(new_run_dir(r, "env") / "env.json")
-    print(f"saved: {path}")
+    print(f"saved: {report.save(RunDir.create(rr.recipe, 'env'))}")
     return 0 if report.ok else 1
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from workbench import evaluate, recipe
+def _concurrencies(text: str) -> list[int]:
+    try:
+        values = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise WorkbenchError(f"--sweep {text!r} is not a list of positive whole numbers",
+                             "write it as comma-separated requests in flight, e.g. --sweep 1,4,16")
+    return values
 
-    r = recipe.load(args.recipe, args.overrides)
-    if args.bench:
-        return _eval_bench(r, [int(c) for c in args.bench.split(",")])
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from workbench.evaluation import evaluate
+    from workbench.rundir import RunDir
+
+    rr = _resolved(args)
+    if args.sweep:
+        return _sweep(rr, _concurrencies(args.sweep))
     models = {}
     for item in args.model or []:
         label, sep, path = item.partition("=")
         if not sep:
             label, path = path or label, label
         models[label] = path
-    evaluate.evaluate(r, models or None)
+    evaluate.evaluate(rr, models or None, stage=RunDir.create(rr.recipe, "eval").eval)
     return 0
 
 
-def _eval_bench(r, concurrencies: list[int]) -> int:
-    import json
+def _sweep(rr, concurrencies: list[int]) -> int:
     import os
     import platform
 
-    from workbench import evaluate, server, tinymodel
-    from workbench.rundir import new_run_dir
+    from workbench.evaluation import sweep
+    from workbench.rundir import RunDir
+    from workbench.serving.server import VLLMServer
+    from workbench.tasks import dataset, tinymodel
 
-    out_dir = new_run_dir(r, "evalbench")
-    rows = evaluate.eval_rows(r)
-    with server.VLLMServer(r, tinymodel.resolve_model_path(r), out_dir) as srv:
-        evaluate.preflight(r, srv.url, rows)
-        result = evaluate.benchmark(r, srv.url, rows, concurrencies)
-    result["machine"] = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, server on {r.devices.server}"
-    (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
-    print(f"saved: {out_dir / 'bench.json'}")
+    run = RunDir.create(rr.recipe, "sweep")
+    rows = dataset.eval_rows(rr.recipe)
+    from workbench.evaluation.evaluate import preflight
+
+    with VLLMServer(rr, tinymodel.ensure_model(rr), run.serving.make().path) as srv:
+        preflight(rr, rows, srv.url)
+        result = sweep.run(rr, rows, concurrencies, url=srv.url)
+    result.machine = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, server on {list(rr.server.devices)}"
+    print(f"saved: {result.save(run.serving)}")
+    print(result.markdown())
     return 0
 
 
 def _todo(name: str) -> Callable[[argparse.Namespace], int]:
-    issue = STAGES_TODO[name][0]
-    which = f"issue {issue}" if issue else "planned"
-
     def run(args: argparse.Namespace) -> int:
-        raise WorkbenchError(f"`workbench {name}` is not built yet ({which})",
-                             "use the stages that exist: recipe, tiny-model, serve, train, run")
+        raise WorkbenchError(f"`workbench {name}` is not built yet",
+                             "use the stages that exist: recipe, tiny-model, serve, train, run, eval")
 
     return run
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Parser
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="workbench",
-        description="GRPO Workbench: vLLM samples, TRL trains, one recipe drives every stage.",
-        epilog="Every subcommand takes --recipe NAME and section.key=value overrides; `workbench SUBCOMMAND --help`.")
+        prog="workbench", description="GRPO Workbench: vLLM samples, TRL trains, one recipe drives every stage.",
+        epilog="Every stage takes --recipe NAME and section.key=value overrides; `workbench SUBCOMMAND --help`.")
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
 
+    def add(name: str, help: str, module: str, func, recipe: str | None = "cpu-tiny", run_dir: bool = False):
+        p = sub.add_parser(name, help=help, description=_doc(module) or help)
+        if run_dir:
+            p.add_argument("run_dir", help="a run directory (runs/<id>)")
+        elif recipe is not False:
+            _recipe_args(p, recipe)
+        p.set_defaults(func=func)
+        return p
+
     p = sub.add_parser("recipe", help="list recipes or print one, resolved, with overrides applied",
-                       description="List the shipped recipes, or print one resolved (extends and overrides applied) "
-                                   "and check that its trainer section builds a real trl.GRPOConfig.")
+                       description=_doc("workbench.recipe.load"))
     p.add_argument("action", choices=["list", "show"])
     p.add_argument("name", nargs="?", help="recipe name or YAML path (for show)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument("--check", action="store_true", help="also build the real trl.GRPOConfig (imports TRL)")
     p.set_defaults(func=cmd_recipe)
 
-    p = sub.add_parser("tiny-model", help="build (or reuse) the tiny arithmetic model and print its accuracy",
-                       description="Build a byte-level BPE tokenizer and a ~1.3M-parameter Qwen2 model from scratch, "
-                                   "pre-train it briefly on synthetic arithmetic (seeded, about a minute on 2 cores), "
-                                   "and save it under data/tiny-model/. Same settings: the cached model is reused.")
-    _add_recipe_args(p)
+    p = add("tiny-model", "build (or reuse) the tiny arithmetic model and print its accuracy",
+            "workbench.tasks.tinymodel", cmd_tiny_model)
     p.add_argument("--force", action="store_true", help="rebuild even when a cached model matches")
-    p.set_defaults(func=cmd_tiny_model)
-
-    p = sub.add_parser("run", help="run the staged notebooks with papermill: env, offline, serving, smoke, train, eval",
-                       description="Execute the staged notebooks in order with papermill on the project's kernel, "
-                                   "into one run directory (runs/<stamp>-<recipe>-run/): environment check, offline "
-                                   "generation, serving and its concurrency sweep, the smoke GRPO run with its "
-                                   "checks, the full GRPO run with the live dashboard, and base vs trained "
-                                   "evaluation through the server. Each executed notebook is kept and exported to "
-                                   "HTML; the first failing stage stops the run and names its notebook and log; "
-                                   "report.html is written either way.")
-    _add_recipe_args(p)
+    p = add("run", "run the staged notebooks with papermill: env, offline, serving, smoke, train, eval",
+            "workbench.pipeline", cmd_run)
     p.add_argument("--stages", help="comma-separated subset of env,offline,serving,smoke,train,eval (default: all)")
-    p.set_defaults(func=cmd_run)
-
-    p = sub.add_parser("report", help="(re)build a run's self-contained HTML report",
-                       description="Write RUN_DIR/report.html from what the run directory holds: outcome, stages, "
-                                   "evaluation before vs after, training curves, step-time breakdown, advisor "
-                                   "findings, sample completions, smoke checks, serving sweep, environment and the "
-                                   "resolved recipe. Works for a crashed or stopped run too; no external URLs.")
-    p.add_argument("run_dir", help="a run directory (from `workbench run` or `workbench train`)")
-    p.set_defaults(func=cmd_report)
-
-    p = sub.add_parser("serve", help="start (or check) the recipe's vLLM server and keep it running",
-                       description="Start the recipe's vLLM server (vllm serve on CUDA/Ascend, the workbench's "
-                                   "launcher on the CPU build) with its served name, lengths, parallel sizes and "
-                                   "device split; wait for /health, verify /v1/models, and hold until Ctrl-C, which "
-                                   "stops the whole process group. With server.mode=attach, check a running server.")
-    _add_recipe_args(p)
+    add("report", "(re)build a run's self-contained HTML report", "workbench.observe.report", cmd_report, run_dir=True)
+    p = add("serve", "start (or check) the recipe's vLLM server and keep it running", "workbench.serving.server",
+            cmd_serve)
     p.add_argument("--model", help="model directory to serve (default: the recipe's model)")
     p.add_argument("--print-command", action="store_true", help="print the launch command and exit")
-    p.set_defaults(func=cmd_serve)
-
-    p = sub.add_parser("train", help="GRPO training through the recipe's vLLM server",
-                       description="Start (or attach to) the recipe's vLLM server, run TRL's GRPOTrainer against it "
-                                   "with the recipe's data and rewards, sync the weights after every optimizer step "
-                                   "(server.weight_sync), and save checkpoints and the final model (Hugging Face "
-                                   "format) in a new run directory under monitor.runs_dir.")
-    _add_recipe_args(p)
-    p.add_argument("--run-dir", help="write into this directory (created if missing) instead of a new one")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("stop", help="ask a training run to checkpoint and stop after its current step",
-                       description="Write RUN_DIR/STOP. The trainer checks for it after every optimizer step, saves a "
-                                   "checkpoint, and ends as a finished run would (final model, train.json).")
-    p.add_argument("run_dir", help="the run directory (runs/<id>)")
-    p.set_defaults(func=cmd_stop)
-
-    p = sub.add_parser("advise", help="name the bottleneck of a run from what it recorded",
-                       description="Run the advisor's rules over a run directory's metrics.jsonl, devices.jsonl and "
-                                   "rollout.jsonl: idle inference devices, low server concurrency, long-tail "
-                                   "completions, KL spikes, groups without learning signal, falling or flat reward, "
-                                   "weight sync share. Each finding comes with its evidence and a suggested change.")
-    p.add_argument("run_dir", help="the run directory (runs/<id>)")
-    p.set_defaults(func=cmd_advise)
-
-    p = sub.add_parser("env", help="check platform, version chain, Ascend setup, collectives, resources",
-                       description="Check, with a fix for each finding: the platform and the recipe's device split; "
-                                   "installed torch/torch_npu/vLLM/TRL/transformers against the Ascend compatibility "
-                                   "matrix (closest row, what to change) and TRL's vLLM window; pip check; on Ascend "
-                                   "CANN loaded, npu-smi devices and HCCL settings; an all-reduce self-test across "
-                                   "processes (gloo/nccl/hccl); disk, memory and the CPU server's KV cache. Prints a "
-                                   "table and saves env.json in a new run directory; exit 1 if a check failed.")
-    _add_recipe_args(p)
+    p = add("train", "GRPO training through the recipe's vLLM server", "workbench.training.train", cmd_train,
+            recipe=None)
+    p.add_argument("--run-dir", help="train into this run directory (its recipe.yaml when it has one)")
+    add("plan", "what each node runs: commands, environment, devices, ports, memory per device", "workbench.plan",
+        cmd_plan)
+    add("stop", "ask a training run to checkpoint and stop after its current step", "workbench.training.callbacks",
+        cmd_stop, run_dir=True)
+    add("advise", "name the bottleneck of a run from what it recorded", "workbench.observe.advisor", cmd_advise,
+        run_dir=True)
+    p = add("env", "check platform, version chain, Ascend setup, collectives, resources",
+            "workbench.platform.envcheck", cmd_env)
     p.add_argument("--no-collective", action="store_true", help="skip the all-reduce self-test")
-    p.set_defaults(func=cmd_env)
-
-    p = sub.add_parser("eval", help="score models through the OpenAI-compatible server, repeated and concurrent",
-                       description="Serve each model in turn (or attach to server.url), check before any request "
-                                   "that the served name is right and the longest prompt plus eval.max_tokens fits "
-                                   "max_model_len, send the eval split with bounded concurrency, score (exact match; "
-                                   "math-verify for LaTeX answers), repeat eval.repeats times, and write "
-                                   "samples.jsonl, summary.json, comparison.md and comparison.png. Prints the "
-                                   "equivalent lm-evaluation-harness command.")
-    _add_recipe_args(p)
-    p.add_argument("--bench", metavar="C1,C2,...",
-                   help="measure evaluator throughput at these concurrencies against a sequential loop, then exit")
+    p = add("eval", "score models through the OpenAI-compatible server, repeated and concurrent",
+            "workbench.evaluation.evaluate", cmd_eval)
+    p.add_argument("--sweep", metavar="C1,C2,...",
+                   help="measure the server's throughput at these concurrencies against a sequential loop, then exit")
     p.add_argument("--model", action="append", metavar="LABEL=PATH",
                    help="a model directory to evaluate, repeatable (default: the recipe's model as 'base')")
-    p.set_defaults(func=cmd_eval)
-
-    for name, (issue, short, text) in STAGES_TODO.items():
-        which = f"issue {issue}" if issue else "planned"
-        p = sub.add_parser(name, help=f"{short} (not built yet: {which})",
-                           description=f"{text} Not built yet: {which}.")
-        _add_recipe_args(p)
+    for name, short in TODO.items():
+        p = sub.add_parser(name, help=short, description=short)
+        _recipe_args(p)
         p.set_defaults(func=_todo(name))
     return parser
 

@@ -4,13 +4,8 @@
     workbench run --recipe cpu-tiny --stages env,offline     # a subset, in the canonical order
     workbench run --recipe cpu-tiny trainer.max_steps=50     # overrides reach every notebook
 
-Each stage is a notebook in notebooks/, run on the project's kernel with the recipe, the overrides and its own
-output directory as parameters:
-
-    runs/<stamp>-<recipe>-run/
-        recipe.yaml  environment.json  run.json  report.html  report.png (from the report test)
-        notebooks/NN_*.ipynb + .html    logs/NN_*.log (the notebook's stdout and stderr, as it runs)
-        env.json  offline/  serving/  smoke/  train/ (metrics.jsonl, devices.jsonl, rollout.jsonl, final/ ...)  eval/
+Each stage is a notebook (workbench/notebooks/, package data), run on the project's kernel with the run's
+recipe.yaml and the run directory as parameters; the layout of that directory is workbench/rundir.py's.
 
 The first failing stage stops the run: its executed notebook keeps the traceback, the message names the stage,
 the notebook and the log, and the report is still written from whatever the run produced.
@@ -24,10 +19,11 @@ import sys
 import time
 from pathlib import Path
 
+from workbench import paths
 from workbench.errors import WorkbenchError
-from workbench.recipe import Recipe
+from workbench.recipe import Resolved
+from workbench.rundir import RunDir, write_atomic
 
-NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 STAGES = {
     "env": "00_env_check",
     "offline": "01_offline_generation",
@@ -49,32 +45,27 @@ def kernel_name() -> str:
 
 
 def environment_summary() -> dict:
-    from workbench import env
-    from workbench.report import redact
-
     import psutil
+
+    from workbench.platform import envcheck
+    from workbench.secrets import redact
 
     variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_PREFIXES)}
     return {"python": sys.version.split()[0], "machine": platform_module.platform(),
             "cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "versions": {k: v for k, v in env.installed_versions().items() if v},
+            "versions": {k: v for k, v in envcheck.installed_versions().items() if v},
             "variables": redact(variables), "kernel": kernel_name()}
 
 
-def stage_parameters(stage: str, run_dir: Path, recipe: Recipe) -> dict:
-    """Every notebook loads the resolved recipe of the run (a name could mean something else tomorrow), with no
-    further overrides: they are already in it."""
-    params: dict = {"recipe": str(run_dir / "recipe.yaml"), "overrides": []}
-    if stage == "env":
-        params["run_dir"] = str(run_dir)
-    elif stage == "eval":
-        params["run_dir"] = str(run_dir / "eval")
-        models = {"base": recipe.model.path}
-        if (run_dir / "train" / "final" / "model.safetensors").exists():
-            models["trained"] = str(run_dir / "train" / "final")
+def stage_parameters(stage: str, run: RunDir) -> dict:
+    """Every notebook loads the run's resolved recipe (a name could mean something else tomorrow), with no
+    further overrides (they are already in it), and writes into the run directory."""
+    params: dict = {"recipe": str(run.recipe), "overrides": [], "run_dir": str(run.path)}
+    if stage == "eval":
+        models = {"base": "base"}
+        if (run.train.final / "model.safetensors").exists():
+            models["trained"] = str(run.train.final)
         params["models"] = models
-    else:
-        params["run_dir"] = str(run_dir / stage)
     return params
 
 
@@ -85,8 +76,6 @@ def export_html(notebook: Path) -> Path:
 
     import nbformat
     from nbconvert import HTMLExporter
-
-    from workbench.rundir import write_atomic
 
     nb = nbformat.read(str(notebook), as_version=4)
     nb.metadata.pop("widgets", None)
@@ -118,21 +107,21 @@ class _Heartbeat:
     """While a stage runs, a line every `every` seconds: the notebook's output goes to its log, and a silent
     terminal for the length of a training run looks like a hang. For the training stage it tells the step."""
 
-    def __init__(self, stage: str, stage_dir: Path, log, every: float = 30.0):
+    def __init__(self, stage: str, run: RunDir, log, every: float = 30.0):
         import threading
 
-        self.stage, self.stage_dir, self.log, self.every = stage, stage_dir, log, every
+        self.stage, self.run, self.log, self.every = stage, run, log, every
         self.started = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _line(self) -> str:
         elapsed = f"{time.time() - self.started:.0f}s"
-        if self.stage != "train" or not (self.stage_dir / "metrics.jsonl").exists():
+        if self.stage != "train" or not self.run.train.metrics.exists():
             return f"   ... {self.stage} running ({elapsed})"
-        from workbench.rundata import load
+        from workbench.observe.rundata import load
 
-        data = load(self.stage_dir)
+        data = load(self.run.train)
         prog, rows = data.progress(), data.train_metrics
         reward = f", reward {rows[-1]['reward']:.3f}" if rows and "reward" in rows[-1] else ""
         eta = f", ETA {prog['eta_seconds'] / 60:.1f} min" if prog["eta_seconds"] is not None else ""
@@ -153,43 +142,45 @@ class _Heartbeat:
         self._stop.set()
 
 
-def run(recipe: Recipe, stages: list[str] | None = None, log=print) -> Path:
+def run(rr: Resolved, stages: list[str] | None = None, log=print) -> Path:
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
-    from workbench import report
-    from workbench.rundir import new_run_dir, write_atomic
+    from workbench.observe import report
 
     stages = list(stages or STAGES)
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise WorkbenchError(f"unknown stage(s) {unknown}", f"choose from {', '.join(STAGES)}")
     stages = [s for s in STAGES if s in stages]  # canonical order: eval after train, whatever was typed
-    missing = [STAGES[s] for s in stages if not (NOTEBOOK_DIR / f"{STAGES[s]}.ipynb").exists()]
+    notebooks = paths.notebooks_dir()
+    missing = [STAGES[s] for s in stages if not (notebooks / f"{STAGES[s]}.ipynb").exists()]
     if missing:
-        raise WorkbenchError(f"notebooks missing: {missing}", f"run from a checkout that has {NOTEBOOK_DIR}")
+        raise WorkbenchError(f"notebooks missing: {missing}", f"reinstall the package: they ship in {notebooks}")
     kernel = kernel_name()
-    run_dir = new_run_dir(recipe, "run").resolve()
-    for sub in ("notebooks", "logs"):
-        (run_dir / sub).mkdir()
-    write_atomic(run_dir / "environment.json", json.dumps(environment_summary(), indent=2))
+    recipe = rr.recipe
+    run = RunDir.create(recipe, "run")
+    run = RunDir(run.path.resolve())
+    run.notebooks.mkdir()
+    run.logs.mkdir()
+    write_atomic(run.environment, json.dumps(environment_summary(), indent=2))
     record: dict = {"recipe": recipe.name, "stages": stages, "kernel": kernel, "results": {}, "started": time.time()}
-    log(f"run directory: {run_dir}  (kernel {kernel}; stages {', '.join(stages)})")
+    log(f"run directory: {run.path}  (kernel {kernel}; stages {', '.join(stages)})")
     try:
         for stage in stages:
             name = STAGES[stage]
-            executed = run_dir / "notebooks" / f"{name}.ipynb"
-            stage_log = run_dir / "logs" / f"{name}.log"
+            executed = run.notebook(name)
+            stage_log = run.stage_log(name)
             started = time.time()
             log(f"== {stage}: {name}.ipynb  (log: {stage_log})")
             result = {"status": "running", "notebook": f"notebooks/{name}.ipynb", "log": f"logs/{name}.log"}
             record["results"][stage] = result
-            write_atomic(run_dir / "run.json", json.dumps(record, indent=2))
+            write_atomic(run.record, json.dumps(record, indent=2))
             try:
-                params = stage_parameters(stage, run_dir, recipe)
-                with open(stage_log, "a") as out, _StderrTo(out), _Heartbeat(stage, Path(params["run_dir"]), log):
+                params = stage_parameters(stage, run)
+                with open(stage_log, "a") as out, _StderrTo(out), _Heartbeat(stage, run, log):
                     papermill.execute_notebook(
-                        str(NOTEBOOK_DIR / f"{name}.ipynb"), str(executed), kernel_name=kernel,
+                        str(notebooks / f"{name}.ipynb"), str(executed), kernel_name=kernel,
                         parameters=params,
                         cwd=os.getcwd(), progress_bar=False, log_output=False, stdout_file=out, stderr_file=out)
                 result["status"] = "passed"
@@ -201,34 +192,33 @@ def run(recipe: Recipe, stages: list[str] | None = None, log=print) -> Path:
                 result["seconds"] = round(time.time() - started, 1)
                 if executed.exists():
                     try:
-                        result["html"] = str(export_html(executed).relative_to(run_dir))
+                        result["html"] = str(export_html(executed).relative_to(run.path))
                     except Exception as exc:  # an export problem must not hide the stage's own result
                         log(f"   (HTML export failed: {exc})")
             log(f"   {stage}: {result['status']} in {result['seconds']:.0f}s")
             if result["status"] == "failed":
-                write_atomic(run_dir / "run.json", json.dumps(record, indent=2))
-                report_path = report.build(run_dir)
+                write_atomic(run.record, json.dumps(record, indent=2))
+                report_path = report.build(run)
                 raise WorkbenchError(
                     f"stage '{stage}' failed: {record['error']}",
                     f"read the traceback in {executed} (HTML: {executed.with_suffix('.html')}) and the log "
                     f"{stage_log}; the report so far is {report_path}")
     finally:
         record["seconds"] = round(time.time() - record["started"], 1)
-        write_atomic(run_dir / "run.json", json.dumps(record, indent=2))
-    report_path = report.build(run_dir)
-    _print_outcome(run_dir, log)
+        write_atomic(run.record, json.dumps(record, indent=2))
+    report_path = report.build(run)
+    _print_outcome(run, log)
     log("stage times (s): " + ", ".join(f"{s} {record['results'][s]['seconds']:.0f}" for s in stages))
     log(f"report: {report_path}")
-    return run_dir
+    return run.path
 
 
-def _print_outcome(run_dir: Path, log) -> None:
-    try:
-        evals = json.loads((run_dir / "eval" / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return
-    by_model = {e["model"]: e for e in evals}
-    if "base" in by_model and "trained" in by_model:
-        base, trained = by_model["base"], by_model["trained"]
-        log(f"held-out accuracy {100 * base['accuracy_mean']:.1f}% -> {100 * trained['accuracy_mean']:.1f}% "
-            f"({100 * (trained['accuracy_mean'] - base['accuracy_mean']):+.1f} points) on {trained['n']} problems")
+def _print_outcome(run: RunDir, log) -> None:
+    from workbench.evaluation.evaluate import Evaluation
+
+    evaluation = Evaluation.load(run.eval)
+    pair = evaluation.gain() if evaluation else None
+    if pair:
+        base, trained = pair
+        log(f"held-out accuracy {100 * base.accuracy_mean:.1f}% -> {100 * trained.accuracy_mean:.1f}% "
+            f"({100 * (trained.accuracy_mean - base.accuracy_mean):+.1f} points) on {trained.n} problems")

@@ -1,32 +1,43 @@
-"""Run directories: one per run under monitor.runs_dir, holding the resolved recipe, logs, metrics and models.
+"""Run directories: the only code that knows the names of the files a run leaves behind.
 
-    runs/20261130-031130-smoke-train/
-        recipe.yaml  vllm-server-8000.log  metrics.jsonl  server_metrics.prom  checkpoints/  final/  train.json
+    run = RunDir.create(recipe, "run")          # runs/<stamp>-<name>-run/, with recipe.yaml written once
+    run = RunDir.open("runs/<id>")               # an existing run (clear error when it is not one)
+    run.train.metrics, run.eval.summary, run.serving.json, run.notebook("04_full_grpo")
+
+One layout for every run, whether `workbench run` executed all stages or `workbench train` only one:
+
+    runs/<stamp>-<name>-<kind>/
+        recipe.yaml  environment.json  run.json  report.html  report.png
+        notebooks/NN_*.ipynb + .html      logs/NN_*.log
+        env.json
+        offline/offline.json
+        serving/serving.json  serving.png  vllm-server-<port>.log
+        smoke/   (a training directory, below) + smoke_checks.json + recipe.yaml (the smoke variant)
+        train/   metrics.jsonl  devices.jsonl  rollout.jsonl  train.json  train.log  server_metrics.prom
+                 vllm-server-<port>.log  checkpoints/ (TRL's, with completions/)  final/  STOP
+                 accelerate.yaml (several ranks)  ranks.json (each rank's process, device and environment)
+        eval/    samples.jsonl  summary.json  comparison.md  comparison.png  vllm-server-<port>.log
+
+Each stage's result type saves and loads itself through these paths (offline, serving sweep, smoke checks,
+training summary, evaluation); readers (report, advisor, dashboard, analysis) go through the same object.
+Every file is written atomically (`write_atomic`) or appended one whole line at a time, so a reader or a crash
+never sees half a file.
 """
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
-from workbench.recipe import Recipe
+from workbench.errors import WorkbenchError
+
+RECIPE = "recipe.yaml"
+STOP = "STOP"
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
-def new_run_dir(recipe: Recipe, kind: str = "train") -> Path:
-    """A fresh directory named by time, recipe and kind, with the resolved recipe written in it."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    root = Path(recipe.monitor.runs_dir)
-    run_dir = root / f"{stamp}-{recipe.name}-{kind}"
-    suffix = 1
-    while run_dir.exists():
-        suffix += 1
-        run_dir = root / f"{stamp}-{recipe.name}-{kind}-{suffix}"
-    run_dir.mkdir(parents=True)
-    write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
-    return run_dir
-
-
-def write_atomic(path: Path, text: str | bytes) -> Path:
+def write_atomic(path: Path | str, text: str | bytes) -> Path:
     """Write through a temporary file and rename: a reader (or a crash) never sees half a file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -36,3 +47,137 @@ def write_atomic(path: Path, text: str | bytes) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+def safe_name(name: str) -> str:
+    """A recipe name as a path component: no separators, no '..', nothing a shell must quote."""
+    cleaned = _SAFE_NAME.sub("-", name).strip(".-")
+    return cleaned[:64] or "recipe"
+
+
+class TrainDir:
+    """What one GRPO training writes (the `train/` and `smoke/` stages, or a `workbench train` run)."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+
+    metrics = property(lambda self: self.path / "metrics.jsonl")
+    devices = property(lambda self: self.path / "devices.jsonl")
+    rollout = property(lambda self: self.path / "rollout.jsonl")
+    summary = property(lambda self: self.path / "train.json")
+    log = property(lambda self: self.path / "train.log")
+    server_metrics = property(lambda self: self.path / "server_metrics.prom")
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    completions = property(lambda self: self.path / "checkpoints" / "completions")
+    final = property(lambda self: self.path / "final")
+    stop_flag = property(lambda self: self.path / STOP)
+    smoke_checks = property(lambda self: self.path / "smoke_checks.json")
+    accelerate_config = property(lambda self: self.path / "accelerate.yaml")
+    ranks = property(lambda self: self.path / "ranks.json")
+
+    @property
+    def recipe(self) -> Path:
+        """This training's recipe: its own (the smoke variant) or else the run's."""
+        own = self.path / RECIPE
+        return own if own.exists() else self.path.parent / RECIPE
+
+    def exists(self) -> bool:
+        return self.metrics.exists() or self.summary.exists()
+
+    def make(self) -> "TrainDir":
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def request_stop(self, reason: str = "requested") -> Path:
+        """Ask the training to stop after its current step (it checkpoints first)."""
+        self.make()
+        return write_atomic(self.stop_flag, f"{reason} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+
+
+class StageDir:
+    """A stage's output directory with its known files as attributes."""
+
+    def __init__(self, path: Path | str, **files: str):
+        self.path = Path(path)
+        for attr, name in files.items():
+            setattr(self, attr, self.path / name)
+
+    def make(self) -> "StageDir":
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+class RunDir:
+    """One run's directory and every file name in it."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.recipe = self.path / RECIPE
+        self.environment = self.path / "environment.json"
+        self.record = self.path / "run.json"
+        self.report = self.path / "report.html"
+        self.screenshot = self.path / "report.png"
+        self.env_check = self.path / "env.json"
+        self.notebooks = self.path / "notebooks"
+        self.logs = self.path / "logs"
+        self.offline = StageDir(self.path / "offline", json="offline.json")
+        self.serving = StageDir(self.path / "serving", json="serving.json", figure="serving.png")
+        self.eval = StageDir(self.path / "eval", samples="samples.jsonl", summary="summary.json",
+                             table="comparison.md", figure="comparison.png")
+        self.smoke = TrainDir(self.path / "smoke")
+        self.train = TrainDir(self.path / "train")
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    @classmethod
+    def create(cls, recipe, kind: str = "run", root: Path | str | None = None) -> "RunDir":
+        """A fresh directory under monitor.runs_dir named by time, recipe and kind; the resolved recipe written
+        in it, once: every stage and process of the run reads this file."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        base = Path(root or recipe.monitor.runs_dir)
+        name = f"{stamp}-{safe_name(recipe.name)}-{safe_name(kind)}"
+        path, suffix = base / name, 1
+        while path.exists():
+            suffix += 1
+            path = base / f"{name}-{suffix}"
+        path.mkdir(parents=True)
+        run = cls(path)
+        write_atomic(run.recipe, recipe.to_yaml())
+        return run
+
+    @classmethod
+    def at(cls, path: Path | str, recipe=None) -> "RunDir":
+        """The run at `path`, created if missing; the recipe is written when the run has none yet."""
+        run = cls(path)
+        run.path.mkdir(parents=True, exist_ok=True)
+        if recipe is not None and not run.recipe.exists():
+            write_atomic(run.recipe, recipe.to_yaml())
+        return run
+
+    @classmethod
+    def open(cls, path: Path | str) -> "RunDir":
+        """An existing run; a stage directory (RUN/train) or a missing path is a clear error."""
+        path = Path(path)
+        if not path.is_dir():
+            raise WorkbenchError(f"no run directory {path}", "pass a directory under runs/ (see `ls runs`)")
+        if path.name in ("train", "smoke", "eval", "serving", "offline") and (path.parent / RECIPE).exists() \
+                and not (path / RECIPE).exists():
+            raise WorkbenchError(f"{path} is the '{path.name}' stage of the run {path.parent}",
+                                 f"pass the run directory itself: {path.parent}")
+        return cls(path)
+
+    def notebook(self, name: str) -> Path:
+        return self.notebooks / f"{name}.ipynb"
+
+    def stage_log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+
+
+def server_log(directory: Path | str, port: int) -> Path:
+    """Where a managed server started for a stage writes its output."""
+    return Path(directory) / f"vllm-server-{port}.log"

@@ -1,0 +1,418 @@
+#!/usr/bin/env python3
+"""Record the real Requires-Dist of the pinned distributions into tests/fixtures/install/ (refresh script).
+
+tests/test_install_pins.py checks the `ascend` and `cuda` extras against these records, with no network. This script
+is the only part that talks to an index. What it writes:
+
+* one compact JSON per distribution, from `pip install --dry-run --ignore-installed --no-deps --report` for a
+  CPython 3.11 manylinux target of each architecture (`--platform ... --only-binary=:all:`):
+  `<name>-<version>-<arch>.json` for a platform wheel, `<name>-<version>.json` for a pure-Python wheel or an sdist
+  (sdist-only releases: pip is asked to build the metadata; a failure is recorded with pip's decisive line);
+* hand-made records for what is not on PyPI (index "source", "huawei", "pytorch-cpu"), each with a "source" field
+  naming where its requirements come from; the script says which of them it could refresh and which not, and why;
+* `resolve-<route>-<arch>.json`: a full `pip install --dry-run --report` of the project's dependencies plus one extra,
+  every distribution pip would install with its metadata. For the Ascend route, the distributions that do not come
+  from PyPI are handed to pip as metadata-only stub wheels (`--find-links`), so pip's own resolver decides the rest.
+
+Usage:  python scripts/record_install_metadata.py [--only single|handmade|resolve] [--keep-going]
+Network: PyPI (https://pypi.org/simple); download.pytorch.org and Huawei's index are tried and reported if unreachable.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import tomllib
+import urllib.request
+import zipfile
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "tests" / "fixtures" / "install"
+PYTHON = "3.11"
+ARCHES = ("x86_64", "aarch64")
+PYPI = "https://pypi.org/simple"
+PYTORCH_CPU = "https://download.pytorch.org/whl/cpu"
+HUAWEI = "https://mirrors.huaweicloud.com/ascend/repos/pypi"
+
+# The Ascend route proposed for pyproject's `ascend` extra (tests/test_install_pins.py PROPOSED_ASCEND is the same list).
+ASCEND_EXTRA = [
+    "torch==2.10.0",
+    "torch-npu==2.10.0.post4",
+    "torchvision==0.25.0",
+    "torchaudio==2.10.0",
+    "transformers==5.5.4",
+    "triton-ascend==3.2.2",
+    "vllm==0.23.0",
+    "vllm-ascend==0.23.0",
+]
+# What the route's steps outside pip's default index install, per architecture: {name: version}.
+ROUTE_STEPS = {
+    "x86_64": {"torch": "2.10.0+cpu", "torchvision": "0.25.0+cpu", "torchaudio": "2.10.0+cpu",
+               "triton-ascend": "3.2.2", "vllm": "0.23.0+empty"},
+    "aarch64": {"triton-ascend": "3.2.2", "vllm": "0.23.0+empty"},
+}
+# The cuda extra's vLLM window, `vllm>=0.22.0,<0.32`: its lowest and highest release on PyPI.
+CUDA_ENDS = ["0.22.0", "0.31.0"]
+
+# Single distributions: (name, version, arches). Today's (old) ascend extra, the new route, TRL, the cuda window ends.
+SINGLE = [
+    ("torch", "2.10.0", ARCHES),
+    ("torch-npu", "2.10.0.post4", ARCHES),
+    ("vllm", "0.23.0", ARCHES),
+    ("vllm-ascend", "0.23.0.post1", ARCHES),      # sdist only on PyPI
+    ("vllm-ascend", "0.23.0", ARCHES),
+    ("torchvision", "0.25.0", ARCHES),
+    ("torchaudio", "2.10.0", ARCHES),
+    ("transformers", "5.5.4", ARCHES),
+    ("arctic-inference", "0.1.1", ARCHES),        # sdist only on PyPI, pinned by vllm-ascend 0.23.0
+    ("trl", "1.16.0", ARCHES),
+] + [("vllm", v, ("x86_64",)) for v in CUDA_ENDS]
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def platform_args(arch: str) -> list[str]:
+    tags = [f"manylinux2014_{arch}"] + [f"manylinux_2_{m}_{arch}" for m in range(17, 40)]
+    args = [a for t in tags for a in ("--platform", t)]
+    return args + ["--only-binary=:all:", "--python-version", PYTHON, "--implementation", "cp"]
+
+
+def pip_env() -> dict:
+    """pip with no local configuration: no constraint file, no find-links, no extra indexes of this machine."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PIP_") or k in ("PIP_CERT", "PIP_DEFAULT_TIMEOUT")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+def pip_report(requirements: list[str], arch: str | None, *, no_deps: bool, index: str = PYPI,
+               extra_index: list[str] = (), find_links: Path | None = None, extra: list[str] = (),
+               timeout: int = 900) -> tuple[dict | None, str]:
+    """Run one `pip install --dry-run --report`; (report or None, pip's decisive stderr lines)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+               "--report", str(report), "--index-url", index]
+        for url in extra_index:
+            cmd += ["--extra-index-url", url]
+        if find_links:
+            cmd += ["--find-links", str(find_links)]
+        if no_deps:
+            cmd.append("--no-deps")
+        if arch:
+            cmd += platform_args(arch)
+        cmd += list(extra) + list(requirements)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=pip_env(), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"pip timed out after {timeout} s"
+        if proc.returncode == 0 and report.exists():
+            return json.loads(report.read_text()), ""
+        lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines()]
+        decisive = [ln for ln in lines if (ln.startswith(("ERROR:", "error:")) or " depends on " in ln
+                                           or "user requested" in ln) and not ln.startswith("ERROR: Ignored")]
+        return None, " / ".join(decisive[-4:]) or (lines[-1] if lines else f"pip exited {proc.returncode}")
+
+
+def wheel_arch(filename: str) -> str:
+    if filename.endswith("-any.whl"):
+        return "any"
+    for arch in ARCHES:
+        if arch in filename:
+            return arch
+    return "unknown"
+
+
+def compact(item: dict, *, index: str = "pypi") -> dict:
+    """The fixture form of one pip report entry."""
+    meta = item["metadata"]
+    url = item["download_info"]["url"]
+    filename = url.rsplit("/", 1)[-1]
+    kind = "wheel" if filename.endswith(".whl") else "sdist"
+    out = {"name": canonicalize_name(meta["name"]), "version": meta["version"],
+           "arch": wheel_arch(filename) if kind == "wheel" else "any", "kind": kind, "index": index,
+           "requires_python": meta.get("requires_python"), "requires_dist": meta.get("requires_dist") or [],
+           "file": filename}
+    if kind == "sdist":
+        out["builds"] = True
+    return out
+
+
+def write(record: dict, path: Path | None = None) -> Path:
+    arch = record["arch"]
+    path = path or OUT / (f"{record['name']}-{record['version']}" + ("" if arch == "any" else f"-{arch}") + ".json")
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+# --- single distributions --------------------------------------------------------------------------------------------
+
+def record_single(name: str, version: str, arches, problems: list[str]) -> None:
+    no_wheel = []
+    for arch in arches:
+        report, err = pip_report([f"{name}=={version}"], arch, no_deps=True)
+        if report:
+            rec = compact(report["install"][0])
+            log(f"  {name} {version} {arch}: {rec['file']} -> {write(rec).name}")
+            if rec["arch"] == "any":
+                return                   # a pure-Python wheel: one record serves every architecture
+        else:
+            no_wheel.append(arch)
+            log(f"  {name} {version} {arch}: no wheel ({err})")
+    if no_wheel and len(no_wheel) == len(arches):
+        record_sdist(name, version, no_wheel, problems)
+
+
+def record_sdist(name: str, version: str, no_wheel: list[str], problems: list[str]) -> None:
+    """An sdist-only release: ask pip (host interpreter) to build its metadata, record the result either way."""
+    report, err = pip_report([f"{name}=={version}"], None, no_deps=True, extra=["--no-binary", name], timeout=1500)
+    if report:
+        rec = compact(report["install"][0])
+    else:
+        rec = {"name": canonicalize_name(name), "version": version, "arch": "any", "kind": "sdist", "index": "pypi",
+               "requires_python": None, "requires_dist": None, "builds": False, "build_error": err}
+        problems.append(f"{name} {version}: sdist only, metadata build fails ({err})")
+    rec["note"] = f"no wheel on PyPI for {', '.join(no_wheel)}"
+    log(f"  {name} {version}: sdist, builds={rec['builds']} -> {write(rec).name}")
+
+
+# --- hand-made records (not on PyPI) ---------------------------------------------------------------------------------
+
+def _pypi_file_url(project: str, filename: str) -> str:
+    req = urllib.request.Request(f"{PYPI}/{project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        files = json.load(resp)["files"]
+    return next(f["url"] for f in files if f["filename"] == filename)
+
+
+def vllm_empty(version: str = "0.23.0") -> dict:
+    """vLLM built from source with VLLM_TARGET_DEVICE=empty: setup.py's get_requirements() reads
+    requirements/common.txt only (no torch), and get_vllm_version() appends "+empty". Read from PyPI's sdist of the
+    release (cut from the git tag), parsed the way setup.py's _read_requirements does."""
+    url = _pypi_file_url("vllm", f"vllm-{version}.tar.gz")
+    with urllib.request.urlopen(url, timeout=600) as resp:
+        data = resp.read()
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        def read(member):
+            return tar.extractfile(f"vllm-{version}/{member}").read().decode()
+
+        setup_py = read("setup.py")
+        pkg_info = read("PKG-INFO")
+
+        def requirements(filename):
+            out = []
+            for line in read(f"requirements/{filename}").strip().split("\n"):
+                if line.startswith("-r "):
+                    out += requirements(line.split()[1])
+                elif not line.startswith("--") and not line.startswith("#") and line.strip():
+                    out.append(line.split(" #")[0].split("#")[0].strip())
+            return out
+
+        reqs = [str(Requirement(r)) for r in requirements("common.txt")]
+    assert 'requirements = _read_requirements("common.txt")' in setup_py, "setup.py no longer maps empty -> common.txt"
+    assert 'version += f"{sep}empty"' in setup_py, "setup.py no longer appends +empty"
+    requires_python = re.search(r"^Requires-Python: (.+)$", pkg_info, re.M).group(1).strip()
+    return {"name": "vllm", "version": f"{version}+empty", "arch": "any", "kind": "source", "index": "source",
+            "requires_python": requires_python, "requires_dist": reqs,
+            "source": f"vllm v{version}: requirements/common.txt (setup.py get_requirements() for "
+                      f"VLLM_TARGET_DEVICE=empty; version suffix '+empty' from get_vllm_version()); read from PyPI's "
+                      f"sdist vllm-{version}.tar.gz",
+            "note": "built from source: VLLM_TARGET_DEVICE=empty pip install . in a v" + version + " checkout; "
+                    "build needs cmake and a C++ compiler (the vllm.spinloop extension), its isolated build "
+                    "environment pulls torch==2.11.0 (pyproject [build-system])"}
+
+
+def reachable(url: str) -> str:
+    """'' when the index answers, else why not (checked before pip, whose retries on a dead host take minutes)."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=15).close()
+        return ""
+    except Exception as exc:  # noqa: BLE001
+        return f"{url} not reachable: {exc}"
+
+
+def pytorch_cpu(name: str, version: str, problems: list[str]) -> dict:
+    """x86_64 +cpu build from PyTorch's CPU index. Recorded from that index when reachable; otherwise derived from
+    PyPI's x86_64 wheel of the same version with the CUDA-only requirements (nvidia-*, cuda-*, triton) removed: the
+    rule holds where both builds can be read here (torch 2.13.0+cpu in /opt/wheels vs PyPI's torch 2.13.0)."""
+    err = reachable(f"{PYTORCH_CPU}/{name}/")
+    report, err = (None, err) if err else pip_report([f"{name}=={version}+cpu"], "x86_64", no_deps=True,
+                                                     index=PYTORCH_CPU, timeout=300)
+    if report:
+        rec = compact(report["install"][0], index="pytorch-cpu")
+        rec["source"] = f"{PYTORCH_CPU} ({rec.pop('file')})"
+        return rec
+    problems.append(f"{name} {version}+cpu: not refreshed from {PYTORCH_CPU} ({err}); derived from PyPI's wheel")
+    report, err = pip_report([f"{name}=={version}"], "x86_64", no_deps=True)
+    if not report:
+        raise SystemExit(f"{name} {version}: not on PyPI either: {err}")
+    base = compact(report["install"][0])
+    cuda = re.compile(r"^(nvidia-|cuda-|triton\b)", re.I)
+    reqs = [r for r in base["requires_dist"] if not cuda.match(r)]
+    return {"name": base["name"], "version": f"{version}+cpu", "arch": "x86_64", "kind": "wheel",
+            "index": "pytorch-cpu", "requires_python": base["requires_python"], "requires_dist": reqs,
+            "source": f"derived: PyPI {base['file']} Requires-Dist minus nvidia-*/cuda-*/triton",
+            "note": f"{PYTORCH_CPU} was not reachable from the recording machine; the local label of any torch "
+                    "pin inside is as on PyPI (either form is met by torch 2.10.0+cpu)"}
+
+
+def triton_ascend(version: str, problems: list[str]) -> dict:
+    err = reachable(f"{HUAWEI}/triton-ascend/")
+    report, err = (None, err) if err else pip_report([f"triton-ascend=={version}"], "aarch64", no_deps=True,
+                                                     index=HUAWEI, timeout=300)
+    if report:
+        rec = compact(report["install"][0], index="huawei")
+        rec["source"] = f"{HUAWEI} ({rec.pop('file')})"
+        return rec
+    old = OUT / f"triton-ascend-{version}.json"
+    problems.append(f"triton-ascend {version}: not refreshed from {HUAWEI} ({err}); "
+                    + ("kept the hand-made record" if old.exists() else "wrote the hand-made record"))
+    if old.exists():
+        return json.loads(old.read_text())
+    return {"name": "triton-ascend", "version": version, "arch": "any", "kind": "wheel", "index": "huawei",
+            "requires_python": None, "requires_dist": [], "python_tags": ["cp39", "cp310", "cp311"],
+            "source": f"hand-made: not on PyPI (PyPI has 3.2.0 and rcs, whose wheels declare no Requires-Dist and "
+                      f"are cp39-cp311 only); upstream installs it with `pip install triton-ascend=={version} "
+                      f"--extra-index-url {HUAWEI}` (vllm-ascend docs/source/installation.md)",
+            "note": "python_tags and the empty Requires-Dist are those of the PyPI releases (3.2.0, 3.2.0rc*) and "
+                    "of triton-ascend's docs (Python 3.9-3.11); 3.2.2 itself could not be read here"}
+
+
+def record_handmade(problems: list[str]) -> dict[str, dict]:
+    recs = {}
+    try:
+        recs["vllm"] = vllm_empty("0.23.0")
+    except Exception as exc:  # noqa: BLE001 - report and keep the old record
+        problems.append(f"vllm 0.23.0+empty: could not read PyPI's sdist ({exc}); kept the old record")
+    recs["triton-ascend"] = triton_ascend("3.2.2", problems)
+    for name, version in (("torch", "2.10.0"), ("torchvision", "0.25.0"), ("torchaudio", "2.10.0")):
+        recs[f"{name}+cpu"] = pytorch_cpu(name, version, problems)
+    for rec in recs.values():
+        log(f"  {rec['name']} {rec['version']} ({rec['index']}) -> {write(rec).name}")
+    return recs
+
+
+# --- full resolves ---------------------------------------------------------------------------------------------------
+
+def stub_wheel(directory: Path, rec: dict) -> Path:
+    """A metadata-only wheel standing in for a distribution pip cannot fetch here."""
+    dist = re.sub(r"[-_.]+", "_", rec["name"])
+    info = f"{dist}-{rec['version']}.dist-info"
+    meta = [f"Metadata-Version: 2.1", f"Name: {rec['name']}", f"Version: {rec['version']}"]
+    if rec.get("requires_python"):
+        meta.append(f"Requires-Python: {rec['requires_python']}")
+    meta += [f"Requires-Dist: {r}" for r in rec.get("requires_dist") or []]
+    path = directory / f"{dist}-{rec['version']}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{info}/METADATA", "\n".join(meta) + "\n")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: record_install_metadata\n"
+                                     "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def core_requirements() -> list[str]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def record_resolve(route: str, arch: str, requirements: list[str], problems: list[str],
+                   stubs: dict[str, dict] | None = None) -> None:
+    """One full resolve; the stubs' records replace the stub wheels' entries in the result."""
+    stubs = stubs or {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rec in stubs.values():
+            stub_wheel(Path(tmp), rec)
+        native = arch == "x86_64" and os.uname().machine == "x86_64"
+        report, err = pip_report(requirements, None if native else arch, no_deps=False,
+                                 find_links=Path(tmp) if stubs else None, timeout=1800)
+    path = OUT / f"resolve-{route}-{arch}.json"
+    if not report:
+        problems.append(f"resolve {route} {arch}: pip fails: {err}")
+        log(f"  resolve {route} {arch}: FAILS: {err}")
+        return
+    install = []
+    for item in report["install"]:
+        name = canonicalize_name(item["metadata"]["name"])
+        rec = compact(item)
+        if name in stubs and item["metadata"]["version"] == stubs[name]["version"]:
+            rec = {k: v for k, v in stubs[name].items() if k in
+                   ("name", "version", "arch", "kind", "index", "requires_python", "requires_dist", "builds")}
+        rec.pop("file", None)
+        install.append(rec)
+    header = {"route": route, "arch": arch, "python": PYTHON, "requirements": requirements,
+              "stubs": {n: f"{r['version']} ({r['index']})" for n, r in sorted(stubs.items())},
+              "resolver": f"pip {report.get('pip_version')} --dry-run --ignore-installed"
+                          + ("" if native else " --only-binary=:all: --platform manylinux*_" + arch),
+              "recorded": _dt.date.today().isoformat()}
+    lines = ["{"] + [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in header.items()] + [' "install": [']
+    lines += [f"  {json.dumps(rec, separators=(',', ':'))}," for rec in sorted(install, key=lambda r: r["name"])]
+    lines[-1] = lines[-1].rstrip(",")
+    lines += [" ]", "}"]
+    path.write_text("\n".join(lines) + "\n")
+    log(f"  resolve {route} {arch}: {len(install)} distributions -> {path.name}")
+
+
+def record_resolves(handmade: dict[str, dict], problems: list[str]) -> None:
+    core = core_requirements()
+    for arch in ARCHES:
+        stubs = {"vllm": handmade["vllm"], "triton-ascend": handmade["triton-ascend"]}
+        if arch == "x86_64":
+            for name in ("torch", "torchvision", "torchaudio"):
+                stubs[name] = handmade[f"{name}+cpu"]
+        native = arch == "x86_64" and os.uname().machine == "x86_64"
+        if not native:
+            # --only-binary=:all: cannot take an sdist: stand in arctic-inference's metadata as pip built it
+            arctic = json.loads((OUT / "arctic-inference-0.1.1.json").read_text())
+            stubs["arctic-inference"] = arctic
+        steps = [f"{n}=={v}" for n, v in sorted(ROUTE_STEPS[arch].items())]
+        record_resolve("ascend", arch, core + ASCEND_EXTRA + steps, problems, stubs)
+    cuda = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cuda"]
+    for version in CUDA_ENDS:
+        reqs = [r for r in cuda if canonicalize_name(Requirement(r).name) != "vllm"] + [f"vllm=={version}"]
+        record_resolve(f"cuda-vllm{version}", "x86_64", core + reqs, problems)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=["single", "handmade", "resolve"], action="append")
+    parser.add_argument("--entry", action="append", metavar="NAME==VERSION",
+                        help="with --only single: record just these entries of the list")
+    args = parser.parse_args()
+    parts = args.only or ["single", "handmade", "resolve"]
+    OUT.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+    if "single" in parts:
+        log("single distributions (pip --no-deps, PyPI):")
+        for name, version, arches in SINGLE:
+            if not args.entry or f"{name}=={version}" in args.entry:
+                record_single(name, version, arches, problems)
+    handmade = {}
+    if "handmade" in parts or "resolve" in parts:
+        log("not on PyPI (hand-made or other indexes):")
+        handmade = record_handmade(problems)
+    if "resolve" in parts:
+        log("full resolves:")
+        record_resolves(handmade, problems)
+    if problems:
+        log("\nNot refreshed from the real source, or failing (expected ones included):")
+        for p in problems:
+            log(f"  - {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""A metadata-only install check: do these pinned distributions agree with each other?
+
+Reads the compact fixtures that `scripts/record_install_metadata.py` writes into tests/fixtures/install/ (each one the
+real `Requires-Dist` of one distribution, taken from `pip install --dry-run --report`, or hand-made from upstream
+sources where the distribution is not on PyPI) and evaluates them the way pip's resolver would for one target:
+markers for that architecture and Python, requested extras followed, PEP 440 matching (so `==2.10.0+cpu` is NOT
+met by a plain 2.10.0, while `==2.10.0` is met by 2.10.0+cpu). No network, no pip, no workbench import.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.markers import Marker
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "install"
+PYTHON = "3.11"
+ARCHES = ("x86_64", "aarch64")
+# Where a distribution comes from. Everything but "pypi" is a step outside pip's default index that the README states.
+OUTSIDE_PYPI = {"source", "huawei", "pytorch-cpu"}
+
+
+@dataclass
+class Dist:
+    name: str
+    version: str
+    arch: str                      # "x86_64", "aarch64" or "any" (pure-Python wheel, sdist, source build)
+    kind: str                      # "wheel" | "sdist" | "source"
+    index: str                     # "pypi" | "source" | "huawei" | "pytorch-cpu"
+    requires_python: str | None = None
+    requires_dist: list[str] | None = None
+    builds: bool | None = None     # sdists: did pip manage to build its metadata (None: not an sdist)
+    build_error: str | None = None
+    note: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.version}"
+
+
+def _dist(data: dict) -> Dist:
+    known = {f for f in Dist.__dataclass_fields__ if f != "extra"}
+    return Dist(**{k: v for k, v in data.items() if k in known},
+                extra={k: v for k, v in data.items() if k not in known})
+
+
+def fixture_path(name: str, version: str, arch: str | None = None) -> Path:
+    name = canonicalize_name(name)
+    return FIXTURES / (f"{name}-{version}-{arch}.json" if arch else f"{name}-{version}.json")
+
+
+def load(name: str, version: str, arch: str) -> Dist | None:
+    """The recorded metadata of name==version for arch: the arch's wheel, else the arch-independent record."""
+    for path in (fixture_path(name, version, arch), fixture_path(name, version)):
+        if path.exists():
+            return _dist(json.loads(path.read_text()))
+    return None
+
+
+def load_closure(path: Path) -> tuple[dict, dict[str, Dist]]:
+    """A recorded full resolve: (its header, {name: Dist}) for every distribution pip would install."""
+    data = json.loads(path.read_text())
+    dists = {canonicalize_name(d["name"]): _dist({"arch": data["arch"], **d}) for d in data["install"]}
+    return {k: v for k, v in data.items() if k != "install"}, dists
+
+
+def environment(arch: str, python: str = PYTHON) -> dict[str, str]:
+    """PEP 508 marker environment of a manylinux CPython target."""
+    return {
+        "implementation_name": "cpython", "implementation_version": f"{python}.0",
+        "os_name": "posix", "platform_machine": arch, "platform_release": "", "platform_system": "Linux",
+        "platform_version": "", "python_full_version": f"{python}.0",
+        "platform_python_implementation": "CPython", "python_version": python, "sys_platform": "linux",
+    }
+
+
+def _applies(req: Requirement, env: dict, extras: set[str]) -> bool:
+    if req.marker is None:
+        return True
+    return any(req.marker.evaluate({**env, "extra": e}) for e in {""} | extras)
+
+
+def _show(req: Requirement) -> str:
+    extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+    return f"{canonicalize_name(req.name)}{extras}{req.specifier}"
+
+
+def _contains(spec: SpecifierSet, version: str) -> bool:
+    return spec.contains(Version(version), prereleases=True)
+
+
+def availability(dist: Dist, arch: str) -> list[str]:
+    """Why pip could not install this distribution on arch from where it is said to come from (empty: it can)."""
+    if dist.index in OUTSIDE_PYPI:
+        return []
+    if dist.kind == "wheel":
+        if dist.arch not in (arch, "any"):
+            return [f"{dist.label} has no wheel for {arch} (recorded: {dist.arch})"]
+        return []
+    if dist.kind == "sdist":
+        if dist.builds:
+            return []
+        why = f": {dist.build_error}" if dist.build_error else ""
+        return [f"{dist.label} is sdist-only on PyPI and pip cannot build it{why}"]
+    return [f"{dist.label}: unknown kind {dist.kind!r}"]
+
+
+def check(pins: dict[str, Dist], arch: str, python: str = PYTHON,
+          requested: dict[str, set[str]] | None = None, closed: bool = False) -> list[str]:
+    """Every conflict among the pinned distributions, as readable lines (empty: they agree).
+
+    pins: {name: Dist}, one installed version per name. requested: extras asked for at the top
+    (`{"fastapi": {"standard"}}`); extras asked for by a pinned distribution's own requirements are followed too.
+    closed: the pins are a whole environment (a recorded full resolve), so a requirement on a name that is not pinned
+    is a missing distribution. Otherwise requirements on unpinned names are only compared with each other where one
+    of them is an exact `==` pin.
+    """
+    pins = {canonicalize_name(k): v for k, v in pins.items()}
+    env = environment(arch, python)
+    conflicts: list[str] = []
+    for name, dist in sorted(pins.items()):
+        if dist.requires_python and not _contains(SpecifierSet(dist.requires_python), f"{python}.0"):
+            conflicts.append(f"{dist.label} requires Python {dist.requires_python}; target {python}")
+        tags = dist.extra.get("python_tags")
+        if tags and "cp" + python.replace(".", "") not in tags:
+            conflicts.append(f"{dist.label} has wheels for {', '.join(tags)} only; target {python}")
+        conflicts += availability(dist, arch)
+        if dist.requires_dist is None and not (dist.kind == "sdist" and not dist.builds):
+            conflicts.append(f"{dist.label}: no recorded Requires-Dist")
+
+    # which extras are active: the requested ones, then whatever active requirements ask for, to a fixed point
+    extras = {n: set(e) for n, e in ((canonicalize_name(k), v) for k, v in (requested or {}).items())}
+    parsed = {n: [Requirement(r) for r in (d.requires_dist or [])] for n, d in pins.items()}
+    changed = True
+    while changed:
+        changed = False
+        for name, reqs in parsed.items():
+            for req in reqs:
+                target = canonicalize_name(req.name)
+                if req.extras and _applies(req, env, extras.get(name, set())):
+                    if not set(req.extras) <= extras.setdefault(target, set()):
+                        extras[target] |= set(req.extras)
+                        changed = True
+
+    unpinned: dict[str, list[tuple[Dist, Requirement]]] = {}
+    for name, reqs in sorted(parsed.items()):
+        dist = pins[name]
+        for req in reqs:
+            if not _applies(req, env, extras.get(name, set())):
+                continue
+            target = canonicalize_name(req.name)
+            if target == name:
+                continue                   # self-reference through an extra (`pkg[extra]` in pkg's own metadata)
+            if target in pins:
+                have = pins[target]
+                if not _contains(req.specifier, have.version):
+                    conflicts.append(f"{dist.label} requires {_show(req)}; pinned {have.label}")
+            elif closed:
+                conflicts.append(f"{dist.label} requires {_show(req)}; not in the environment")
+            else:
+                unpinned.setdefault(target, []).append((dist, req))
+
+    # unpinned names: where someone asks for an exact version, one of the exact versions must satisfy everybody
+    for target, wants in sorted(unpinned.items()):
+        candidates = {s.version for _, r in wants for s in r.specifier
+                      if s.operator in ("==", "===") and "*" not in s.version}
+        if candidates and not any(all(_contains(r.specifier, c) for _, r in wants) for c in candidates):
+            conflicts.append(f"no {target} satisfies all of: "
+                             + "; ".join(f"{d.label} requires {_show(r)}" for d, r in wants))
+    return sorted(set(conflicts))
+
+
+def notes(pins: dict[str, Dist], arch: str) -> list[str]:
+    """What is not a conflict but is not a plain PyPI wheel either (steps the README must state)."""
+    out = []
+    for dist in sorted(pins.values(), key=lambda d: d.name):
+        if dist.index in OUTSIDE_PYPI:
+            out.append(f"{dist.label}: from {dist.index}" + (f" ({dist.note})" if dist.note else ""))
+        elif dist.kind == "sdist" and dist.builds:
+            out.append(f"{dist.label}: sdist only on PyPI, pip builds it on {arch}")
+    return out

@@ -1,0 +1,210 @@
+"""Several trainer processes: real `accelerate launch` ranks (gloo) through one managed server on the CPU; the
+accelerate configs the recipes generate, parsed by accelerate itself; `workbench plan` for one and two nodes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import yaml
+
+from conftest import VENV_BIN, free_port
+from workbench import recipe
+from workbench.errors import WorkbenchError
+from workbench.observe.records import read_jsonl
+from workbench.rundir import RunDir
+
+
+WORKBENCH = [str(VENV_BIN / "workbench")] if (VENV_BIN / "workbench").exists() else [sys.executable, "-m", "workbench"]
+
+
+def _server_processes() -> set[int]:
+    """API-server processes of the CPU launcher (its engine core children excluded)."""
+    found = set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "workbench.serving.vllm_cpu" in cmd and "serve" in cmd:
+            found.add(p.info["pid"])
+    return found
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory, tiny_model_dir):
+    """`workbench train --recipe smoke distributed.processes=2`: one server, two gloo ranks on the CPU."""
+    runs = tmp_path_factory.mktemp("two-rank")
+    port = free_port()
+    before = _server_processes()
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:  # every server process that appears while the run lasts
+        while not done.is_set():
+            seen.update(_server_processes() - before)
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out = subprocess.run([*WORKBENCH, "train", "--recipe", "smoke", "distributed.processes=2",
+                              f"server.port={port}", f"monitor.runs_dir={runs}", "trainer.log_completions=true",
+                              "trainer.max_steps=4", "devices.env.WORKBENCH_TEST_CANARY=from-the-recipe"],
+                             capture_output=True, text=True, timeout=900)
+    finally:
+        done.set()
+        watcher.join()
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run_dir,) = runs.iterdir()
+    return RunDir(run_dir), seen, out.stdout + out.stderr
+
+
+def test_two_ranks_train_through_one_server(two_rank_run):
+    run, servers, output = two_rank_run
+    assert len(servers) == 1, f"server processes seen: {servers}"
+    assert len(list(run.train.path.glob("vllm-server-*.log"))) == 1
+    ranks = json.loads(run.train.ranks.read_text())
+    assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
+    # the recipe's devices.env reached every rank, and each CPU rank runs on the trainer role's core
+    assert all(r["env"]["WORKBENCH_TEST_CANARY"] == "from-the-recipe" for r in ranks)
+    assert all(r["cores"] == [1] for r in ranks)
+    assert "2 process(es) on this node through accelerate" in output
+    config = yaml.safe_load(run.train.accelerate_config.read_text())
+    assert config["num_processes"] == 2 and config["use_cpu"] is True
+
+
+def test_two_ranks_write_each_record_once_and_stay_in_sync(two_rank_run):
+    run, _, _ = two_rank_run
+    rows = [r for r in read_jsonl(run.train.metrics) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the main rank alone writes: no step twice
+    # the server's log-probs track the trainer's after every push (the weights reached the server each step)
+    for r in rows:
+        assert r["sampling/sampling_logp_difference/mean"] < 1e-3, r
+        assert r["sync/count"] == 1
+    completions = sorted(run.train.completions.glob("completions_*.parquet"))
+    assert len(completions) == 4  # one file per logged step, not one per rank
+    summary = json.loads(run.train.summary.read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 4
+    assert (run.train.final / "model.safetensors").exists()
+    devices = read_jsonl(run.train.devices)
+    roles = {d["role"] for d in devices if "role" in d}
+    assert roles == {"server", "trainer"}
+    # the trainer role (the ranks under accelerate) no longer counts the server's memory
+    trainer_mb = max(d["mem_used_mb"] for d in devices if d.get("role") == "trainer")
+    server_mb = max(d["mem_used_mb"] for d in devices if d.get("role") == "server")
+    assert 0 < trainer_mb and 0 < server_mb
+
+
+@pytest.mark.parametrize("name,processes,distributed_type", [
+    ("ascend-910b-8card", 4, "DEEPSPEED"),
+    ("ascend-910b-2node", 8, "DEEPSPEED"),
+])
+def test_accelerate_parses_the_generated_configs(name, processes, distributed_type, tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from workbench.rundir import TrainDir
+    from workbench.training import launch
+
+    rr = recipe.resolve(recipe.load(name))
+    path = launch.write_accelerate_config(rr, TrainDir(tmp_path))
+    config = load_config_from_file(str(path))
+    assert config.num_processes == processes and config.num_machines == 1
+    assert str(config.distributed_type).endswith(distributed_type)
+    assert config.deepspeed_config["zero_stage"] == 3
+    assert config.mixed_precision == "bf16"
+    # the ZeRO section is one DeepSpeed itself accepts (deepspeed is installed by `make install`)
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin(zero_stage=config.deepspeed_config["zero_stage"],
+                             gradient_accumulation_steps=config.deepspeed_config["gradient_accumulation_steps"],
+                             gradient_clipping=config.deepspeed_config["gradient_clipping"],
+                             zero3_init_flag=config.deepspeed_config["zero3_init_flag"])
+    assert plugin.deepspeed_config["zero_optimization"]["stage"] == 3
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["distributed.strategy=ddp", "distributed.processes=4"], "MULTI_NPU"),
+    (["distributed.strategy=fsdp"], "FSDP"),
+    (["distributed.nodes=2", "distributed.node_rank=1", "distributed.main_address=10.0.0.2"], "DEEPSPEED"),
+])
+def test_accelerate_config_variants(overrides, expected, tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from workbench.rundir import TrainDir
+    from workbench.training import launch
+
+    rr = recipe.resolve(recipe.load("ascend-910b-8card", overrides))
+    config = load_config_from_file(str(launch.write_accelerate_config(rr, TrainDir(tmp_path))))
+    assert str(config.distributed_type).endswith(expected)
+    if "distributed.nodes=2" in overrides:
+        assert (config.num_machines, config.machine_rank, config.num_processes) == (2, 1, 8)
+        assert config.main_process_ip == "10.0.0.2"
+
+
+def test_plan_for_one_node(capsys):
+    from workbench.cli import main
+
+    assert main(["plan", "--recipe", "ascend-910b-8card"]) == 0
+    text = capsys.readouterr().out
+    assert "server on devices [0, 1, 2, 3]" in text and "trainer ×4 on devices [4, 5, 6, 7]" in text
+    server_env = next(line for line in text.splitlines() if "ASCEND_RT_VISIBLE_DEVICES=0,1,2,3" in line)
+    trainer_env = next(line for line in text.splitlines() if "ASCEND_RT_VISIBLE_DEVICES=4,5,6,7" in line)
+    for line in (server_env, trainer_env):  # the recipe's HCCL timeouts reach both roles
+        assert "HCCL_CONNECT_TIMEOUT=1800" in line and "HCCL_EXEC_TIMEOUT=1800" in line
+    assert "VLLM_ASCEND_ENABLE_NZ=0" in server_env and "VLLM_ASCEND_ENABLE_NZ" not in trainer_env
+    assert "vllm serve Qwen/Qwen2.5-7B-Instruct" in text and "--tensor-parallel-size 4" in text
+    assert "accelerate launch --config_file" in text and "51216/tcp" in text
+    assert "7.62B parameters" in text and "of 64.0 GiB (fits)" in text
+
+
+def test_plan_memory_estimate_for_7b_bf16_on_64gb_cards():
+    from workbench import plan
+
+    rr = recipe.resolve(recipe.load("ascend-910b-8card", ["distributed.strategy=ddp"]))
+    p = plan.plan(rr)
+    trainer = next(m for m in p.memory if m.role == "trainer")
+    gib = {k: v / plan.GIB for k, v in trainer.parts.items()}
+    assert abs(gib["weights"] - 7.62e9 * 2 / plan.GIB) < 0.1  # bf16: 2 bytes a parameter
+    assert abs(gib["optimizer"] - 2 * gib["weights"]) < 0.1  # AdamW's two moments in bf16
+    assert not trainer.fits and trainer.budget == 64 * plan.GIB
+    assert any("DeepSpeed" in w or "deepspeed" in w for w in p.warnings)
+    sharded = next(m for m in plan.plan(recipe.resolve(recipe.load("ascend-910b-8card"))).memory if m.role == "trainer")
+    assert sharded.fits and sharded.total < trainer.total / 2
+    no_ckpt = plan.trainer_memory(rr, p.shape, 64 * plan.GIB, checkpointing=False)
+    assert no_ckpt.parts["activations"] > 5 * trainer.parts["activations"]
+
+
+def test_plan_for_two_nodes(capsys):
+    from workbench.cli import main
+
+    assert main(["plan", "--recipe", "ascend-910b-2node"]) == 0
+    text = capsys.readouterr().out
+    server_part, training_part = text.split("== training node")
+    assert "== server node (10.0.0.1)" in server_part and "server.mode=managed" in server_part
+    assert "--data-parallel-size 2" in server_part and "--host 0.0.0.0" in server_part
+    assert "VLLM_API_KEY='$WORKBENCH_SERVER_KEY'" in server_part
+    assert "(10.0.0.2)" in training_part and "trainer ×8 on devices [0, 1, 2, 3, 4, 5, 6, 7]" in training_part
+    assert "51216/tcp" in training_part and "from the server node" in training_part
+    assert "HCCL_SOCKET_IFNAME=eth0" in training_part
+    assert "ZeRO-3" in text
+
+
+def test_remote_reload_needs_a_shared_directory():
+    with pytest.raises(WorkbenchError, match="one both machines see"):
+        recipe.resolve(recipe.load("cpu-tiny", ["server.mode=attach", "server.url=http://10.9.9.9:8000"]))
+    rr = recipe.resolve(recipe.load("cpu-tiny", ["server.mode=attach", "server.url=http://10.9.9.9:8000",
+                                                 "server.sync_dir=/mnt/shared/sync"]))
+    assert rr.weight_sync == "reload"
+
+
+def test_trainer_devices_and_counts_are_checked_up_front():
+    with pytest.raises(WorkbenchError, match="one trainer process per card"):
+        recipe.resolve(recipe.load("ascend-910b-8card", ["distributed.processes=6"]))
+    with pytest.raises(WorkbenchError, match="node_rank"):
+        recipe.load("ascend-910b-8card", ["distributed.node_rank=2"])
+    from workbench.training.train import check_device_split
+
+    with pytest.raises(WorkbenchError, match="both server and trainer"):
+        check_device_split(recipe.resolve(recipe.load("ascend-910b-8card", ["devices.trainer=[3,4,5,6]"])))

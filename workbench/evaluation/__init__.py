@@ -1,0 +1,1 @@
+"""Evaluation through the server: base vs trained, repeated and concurrent (evaluate.py)."""

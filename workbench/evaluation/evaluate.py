@@ -1,0 +1,359 @@
+"""Evaluation through the OpenAI-compatible server: repeated, concurrent, verifiable.
+
+    workbench eval --recipe cpu-tiny                          # the recipe's model (base)
+    workbench eval --recipe cpu-tiny --model trained=runs/<run>/final --model base=tiny
+    workbench eval --recipe cpu-tiny server.mode=attach server.url=http://127.0.0.1:8000
+
+    from workbench.evaluation import evaluate
+    result = evaluate.evaluate(rr, {"base": rr.model_path}, stage=run.eval)   # -> Evaluation
+    evaluate.Evaluation.load(run.eval).summaries
+
+For each model: serve it (or attach), check before any request that the served name is right and that the longest
+prompt plus eval.max_tokens fits the server's max_model_len, send the eval split with bounded concurrency from an
+async OpenAI client (chat or completions endpoint; temperature, top_p, seed, max tokens and stop strings from the
+recipe's eval section; transient errors retried a bounded number of times), score, and repeat eval.repeats times.
+Per-sample records go to samples.jsonl, per-model summaries (accuracy mean ± std over repetitions, pass@1, mean
+output length, truncation rate, throughput) to summary.json, a comparison table to comparison.md and a figure to
+comparison.png. The equivalent lm-evaluation-harness command is printed for a cross-check.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from workbench.errors import WorkbenchError
+from workbench.recipe import Resolved
+from workbench.rundir import StageDir, write_atomic
+from workbench.serving import client
+from workbench.tasks import dataset
+from workbench.tasks.grading import grade
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Preflight
+
+def longest_prompt_tokens(rr: Resolved, rows: list[dict], url: str | None = None, sample: int = 16) -> int:
+    """Token length of the longest prompts as the server tokenizes them (chat template included)."""
+    longest = sorted(rows, key=lambda r: sum(len(m["content"]) for m in r["prompt"]), reverse=True)[:sample]
+    return max((client.tokenized_length(rr, row["prompt"], url) for row in longest), default=0)
+
+
+def preflight(rr: Resolved, rows: list[dict], url: str | None = None) -> dict:
+    """Before any request: the model name is served and the longest prompt + max_tokens fits max_model_len."""
+    recipe = rr.recipe
+    entry = client.served_entry(rr, url)
+    name = recipe.server.served_model_name
+    limit = entry.get("max_model_len")
+    longest = longest_prompt_tokens(rr, rows, url)
+    needed = longest + recipe.eval.max_tokens
+    if limit is not None and needed > limit:
+        raise WorkbenchError(
+            f"the longest prompt is {longest} tokens and eval.max_tokens is {recipe.eval.max_tokens}: {needed} > the "
+            f"server's max_model_len {limit}",
+            f"serve with --max-model-len {needed} or more (server.max_model_len={needed}), or lower eval.max_tokens "
+            f"to {max(1, limit - longest)}")
+    return {"model": name, "max_model_len": limit, "longest_prompt_tokens": longest}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sending
+
+@dataclass
+class Sample:
+    model: str
+    repeat: int
+    id: str
+    prompt: str
+    gold: str
+    response: str = ""
+    extracted: str | None = None
+    correct: bool | None = None
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    latency_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class Summary:
+    model: str
+    path: str
+    n: int
+    repeats: int
+    accuracy_per_repeat: list[float] = field(default_factory=list)
+    accuracy_mean: float = 0.0
+    accuracy_std: float = 0.0
+    pass_at_1: float = 0.0
+    mean_output_tokens: float = 0.0
+    truncation_rate: float = 0.0
+    unscored: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    requests_per_second: float = 0.0
+
+
+def _run_async(coro):
+    """asyncio.run, also from inside a running loop (a Jupyter kernel): then on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["out"] = asyncio.run(coro)
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+async def _send_all(rr: Resolved, url: str, samples: list[Sample], rows: list[dict], concurrency: int,
+                    progress) -> None:
+    from openai import APIConnectionError, APITimeoutError, AsyncOpenAI, InternalServerError, RateLimitError
+
+    recipe, ev = rr.recipe, rr.recipe.eval
+    openai_client = AsyncOpenAI(base_url=f"{url}/v1", api_key=rr.api_key or "EMPTY", max_retries=0, timeout=300)
+    gate = asyncio.Semaphore(concurrency)
+    transient = (APIConnectionError, APITimeoutError, InternalServerError, RateLimitError)
+    done = 0
+
+    async def one(sample: Sample, row: dict) -> None:
+        nonlocal done
+        common = dict(model=recipe.server.served_model_name, max_tokens=ev.max_tokens, temperature=ev.temperature,
+                      top_p=ev.top_p, seed=ev.seed + sample.repeat, stop=ev.stop or None)
+        async with gate:
+            for attempt in range(ev.retries + 1):
+                started = time.perf_counter()
+                try:
+                    if ev.endpoint == "chat":
+                        out = await openai_client.chat.completions.create(messages=row["prompt"], **common)
+                        sample.response = out.choices[0].message.content or ""
+                    else:
+                        out = await openai_client.completions.create(prompt=row["prompt_text"], **common)
+                        sample.response = out.choices[0].text
+                    sample.finish_reason = out.choices[0].finish_reason
+                    sample.completion_tokens = out.usage.completion_tokens if out.usage else 0
+                    sample.latency_s = time.perf_counter() - started
+                    sample.error = None
+                    break
+                except transient as exc:
+                    sample.error = f"{type(exc).__name__}: {exc}"[:300]
+                    await asyncio.sleep(min(8.0, 0.5 * 2 ** attempt))
+        done += 1
+        progress(done)
+
+    await asyncio.gather(*(one(s, r) for s, r in zip(samples, rows)))
+    await openai_client.close()
+
+
+class _Progress:
+    def __init__(self, total: int, label: str, quiet: bool):
+        self.bar = None
+        if not quiet:
+            import sys
+
+            from tqdm.auto import tqdm
+
+            # In a log file a bar redrawn 20 times a second is noise: redraw every 10 s there.
+            self.bar = tqdm(total=total, desc=label, leave=True, mininterval=0.2 if sys.stderr.isatty() else 10)
+        self.last = 0
+
+    def __call__(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(done - self.last)
+        self.last = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def evaluate_server(rr: Resolved, label: str, rows: list[dict], url: str | None = None,
+                    concurrency: int | None = None, repeats: int | None = None, quiet: bool = False,
+                    model_path: str = "") -> tuple[Summary, list[Sample]]:
+    """Evaluate whatever the server at `url` serves under the recipe's served name."""
+    recipe = rr.recipe
+    url = url or rr.server_url
+    concurrency = concurrency or recipe.eval.concurrency
+    repeats = repeats or recipe.eval.repeats
+    if recipe.eval.endpoint == "completions":
+        rows = _with_prompt_text(rr, rows, url)
+    all_samples: list[Sample] = []
+    summary = Summary(model=label, path=model_path, n=len(rows), repeats=repeats)
+    started = time.perf_counter()
+    for repeat in range(repeats):
+        samples = [Sample(label, repeat, r["id"], r["prompt"][-1]["content"], r["answer"]) for r in rows]
+        progress = _Progress(len(samples), f"{label} #{repeat + 1}/{repeats}", quiet)
+        _run_async(_send_all(rr, url, samples, rows, concurrency, progress))
+        progress.close()
+        for sample, (extracted, correct) in zip(samples, grade([s.gold for s in samples], [s.response for s in samples])):
+            sample.extracted, sample.correct = extracted, (correct if sample.error is None else None)
+        scored = [s.correct for s in samples if s.correct is not None]
+        summary.accuracy_per_repeat.append(sum(scored) / len(samples))
+        all_samples += samples
+    summary.seconds = time.perf_counter() - started
+    summary.accuracy_mean = statistics.fmean(summary.accuracy_per_repeat)
+    summary.accuracy_std = statistics.stdev(summary.accuracy_per_repeat) if repeats > 1 else 0.0
+    per_problem: dict[str, list[bool]] = {}
+    for s in all_samples:
+        per_problem.setdefault(s.id, []).append(bool(s.correct))
+    summary.pass_at_1 = statistics.fmean(statistics.fmean(v) for v in per_problem.values())
+    summary.mean_output_tokens = statistics.fmean(s.completion_tokens for s in all_samples)
+    summary.truncation_rate = sum(s.finish_reason == "length" for s in all_samples) / len(all_samples)
+    summary.unscored = sum(s.correct is None and s.error is None for s in all_samples)
+    summary.errors = sum(s.error is not None for s in all_samples)
+    summary.tokens_per_second = sum(s.completion_tokens for s in all_samples) / summary.seconds
+    summary.requests_per_second = len(all_samples) / summary.seconds
+    return summary, all_samples
+
+
+def _with_prompt_text(rr: Resolved, rows: list[dict], url: str) -> list[dict]:
+    """The completions endpoint takes text: render the chat template with the served model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    root = client.served_entry(rr, url).get("root")
+    tokenizer = AutoTokenizer.from_pretrained(root)
+    return [{**r, "prompt_text": tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)}
+            for r in rows]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models, outputs
+
+def eval_rows(rr: Resolved) -> list[dict]:
+    return dataset.eval_rows(rr.recipe)
+
+
+def lm_eval_command(rr: Resolved, url: str | None = None) -> str:
+    """The lm-evaluation-harness command that scores the same server, for a cross-check."""
+    recipe, url = rr.recipe, url or rr.server_url
+    task = {"gsm8k": "gsm8k", "math500": "minerva_math500", "aime2024": "aime24"}.get(recipe.data.name)
+    ev = recipe.eval
+    if ev.endpoint == "chat":
+        backend, endpoint, extra = "local-chat-completions", "chat/completions", " --apply_chat_template"
+    else:
+        backend, endpoint, extra = "local-completions", "completions", ""
+    gen = f"temperature={ev.temperature},top_p={ev.top_p},max_gen_toks={ev.max_tokens},seed={ev.seed}"
+    command = (f"lm_eval --model {backend} --model_args model={recipe.server.served_model_name},"
+               f"base_url={url}/v1/{endpoint},num_concurrent={ev.concurrency},max_retries={ev.retries},"
+               f"tokenized_requests=False --tasks {task or '<task>'}{extra} --gen_kwargs {gen}")
+    if task is None:
+        command += f"   # the harness has no task for data.name={recipe.data.name!r}: cross-check on gsm8k"
+    return command
+
+
+@dataclass
+class Evaluation:
+    """The evaluation stage's result: a summary per model and every scored sample; saves and loads itself."""
+    summaries: list[Summary]
+    samples: list[Sample] = field(default_factory=list)
+
+    def save(self, stage: StageDir) -> StageDir:
+        stage.make()
+        write_atomic(stage.samples, "".join(json.dumps(asdict(s)) + "\n" for s in self.samples))
+        write_atomic(stage.summary, json.dumps([asdict(s) for s in self.summaries], indent=2))
+        write_atomic(stage.table, comparison_table(self.summaries))
+        comparison_figure(self.summaries, stage.figure)
+        return stage
+
+    @classmethod
+    def load(cls, stage: StageDir) -> "Evaluation | None":
+        try:
+            summaries = [Summary(**s) for s in json.loads(Path(stage.summary).read_text())]
+        except (OSError, json.JSONDecodeError, TypeError):
+            return None
+        samples = []
+        if Path(stage.samples).exists():
+            for line in Path(stage.samples).read_text().splitlines():
+                try:
+                    samples.append(Sample(**json.loads(line)))
+                except (json.JSONDecodeError, TypeError):
+                    continue
+        return cls(summaries, samples)
+
+    def by_model(self) -> dict[str, Summary]:
+        return {s.model: s for s in self.summaries}
+
+    def gain(self) -> tuple[Summary, Summary] | None:
+        """(base, trained) when both were evaluated."""
+        models = self.by_model()
+        return (models["base"], models["trained"]) if "base" in models and "trained" in models else None
+
+
+def comparison_table(summaries: list[Summary]) -> str:
+    lines = ["| model | n × repeats | accuracy (mean ± std) | pass@1 | mean output tokens | truncated | unscored | "
+             "tokens/s |", "|---|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        lines.append(f"| {s.model} | {s.n} × {s.repeats} | {s.accuracy_mean:.1%} ± {s.accuracy_std:.1%} | "
+                     f"{s.pass_at_1:.1%} | {s.mean_output_tokens:.1f} | {s.truncation_rate:.1%} | {s.unscored} | "
+                     f"{s.tokens_per_second:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def comparison_figure(summaries: list[Summary], path: Path) -> Path:
+    from workbench.observe import figures
+    plt = figures.plt
+
+    fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(summaries)), 3.2))
+    names = [s.model for s in summaries]
+    means = [100 * s.accuracy_mean for s in summaries]
+    errs = [100 * s.accuracy_std for s in summaries]
+    bars = ax.bar(names, means, yerr=errs, capsize=6, color=["#8c959f", "#0969da", "#1a7f37", "#9a6700"][:len(names)])
+    for bar, mean in zip(bars, means):
+        ax.text(bar.get_x() + bar.get_width() / 2, mean + 1, f"{mean:.1f}%", ha="center", va="bottom")
+    ax.set_ylabel("exact-match accuracy (%)")
+    ax.set_ylim(0, min(100, max(means + [10]) * 1.25 + 5))
+    ax.set_title(f"held-out accuracy, {summaries[0].n} problems × {summaries[0].repeats}")
+    fig.tight_layout()
+    return figures.save_png(fig, path, dpi=110)
+
+
+def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir | None = None,
+             quiet: bool = False, log=print) -> Evaluation:
+    """Evaluate each labelled model directory (serving it in turn), or the attached server; save the result into
+    `stage` (a run's eval directory) when given."""
+    from workbench.serving.server import VLLMServer
+    from workbench.tasks.tinymodel import ensure_model
+
+    recipe = rr.recipe
+    rows = eval_rows(rr)
+    result = Evaluation([])
+    log_dir = stage.path if stage is not None else None
+    if recipe.server.mode == "attach":
+        info = preflight(rr, rows)
+        log(f"preflight: {info}")
+        summary, got = evaluate_server(rr, recipe.server.served_model_name, rows, quiet=quiet)
+        result.summaries.append(summary)
+        result.samples += got
+        log(lm_eval_command(rr))
+    else:
+        models = models or {"base": "base"}
+        for label, path in models.items():
+            path = ensure_model(rr, log=log) if path in ("tiny", "base") else path
+            with VLLMServer(rr, path, log_dir, quiet=quiet) as srv:
+                info = preflight(rr, rows, srv.url)
+                log(f"{label}: serving {path} ({info['longest_prompt_tokens']} + {recipe.eval.max_tokens} tokens "
+                    f"fit max_model_len {info['max_model_len']})")
+                summary, got = evaluate_server(rr, label, rows, srv.url, quiet=quiet, model_path=str(path))
+                result.summaries.append(summary)
+                result.samples += got
+                if label == list(models)[0]:
+                    log("cross-check with the standard harness while a server runs:\n  " + lm_eval_command(rr, srv.url))
+    log(comparison_table(result.summaries))
+    if stage is not None:
+        result.save(stage)
+        log(f"samples: {stage.samples}\nfigure: {stage.figure}")
+    return result

@@ -1,0 +1,248 @@
+"""The advisor: rules over a run's recorded data that name the bottleneck, with evidence and the knob to turn.
+
+    findings = advisor.advise(rundata.load("runs/<id>"))     # or advise(metrics=[...], devices=[...], ...)
+    for f in findings: print(f.text())
+    workbench advise runs/<id>
+
+Each rule reads the records the run left (metrics.jsonl, devices.jsonl, rollout.jsonl, the resolved recipe) and
+returns a Finding or None. None also when the data a rule needs is missing: a rule never guesses. The thresholds
+are the field's rules of thumb (practitioners' reports of 8-card GRPO runs), kept here as named constants so a reader can argue with them.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+IDLE_SERVER_UTIL_PCT = 35.0      # server devices busier than this are not "idle"
+GENERATION_BOUND_SHARE = 0.40    # generation this share of the step: the trainer waits for rollouts
+LOW_CONCURRENCY_FRACTION = 0.5   # requests in flight below this share of a generation batch
+LONG_TAIL_MAX_OVER_MEAN = 2.0    # per step, the longest completion vs the mean
+CLIPPED_RATIO = 0.05             # share of completions cut at max_completion_length
+STEP_TIME_CV = 0.30              # coefficient of variation of the step time
+KL_SPIKE_FACTOR = 4.0            # a KL this many times its running median
+KL_SPIKE_MIN = 0.05
+ZERO_STD_FRACTION = 0.5          # groups in which every completion got the same reward: no signal
+REWARD_DROP = 0.7                # the last third's reward below this share of the best window
+SYNC_SHARE = 0.15                # weight sync this share of the step
+
+
+@dataclass
+class Finding:
+    rule: str
+    severity: str  # "warning" | "info"
+    title: str
+    evidence: str
+    suggestion: str
+
+    def text(self) -> str:
+        return f"[{self.severity}] {self.title}\n  evidence: {self.evidence}\n  try: {self.suggestion}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RunRecords:
+    """What the rules read; rundata.RunData provides the same attributes."""
+    metrics: list[dict]
+    devices: list[dict]
+    rollout: list[dict]
+    recipe: dict | None = None
+
+
+def _series(rows: list[dict], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _thirds(values: list[float]) -> tuple[list[float], list[float]]:
+    n = max(1, len(values) // 3)
+    return values[:n], values[-n:]
+
+
+def _trainer(records) -> dict:
+    return ((records.recipe or {}).get("trainer") or {})
+
+
+def _role_util(records, role: str) -> list[float]:
+    out = []
+    for row in records.devices:
+        if row.get("role") != role or "error" in row:
+            continue
+        value = row.get("proc_util_pct", row.get("util_pct"))  # on the CPU: what the role's processes use
+        if isinstance(value, (int, float)):
+            out.append(float(value))
+    return out
+
+
+def idle_server(records) -> Finding | None:
+    server, trainer = _role_util(records, "server"), _role_util(records, "trainer")
+    if len(server) < 5:
+        return None
+    s_mean, t_mean = statistics.fmean(server), _mean(trainer)
+    if s_mean >= IDLE_SERVER_UTIL_PCT:
+        return None
+    optimisation = _mean(_series(records.metrics, "time/optimisation"))
+    step = _mean(_series(records.metrics, "time/step"))
+    share = f", optimisation {optimisation / step:.0%} of each step" if optimisation and step else ""
+    trainer_txt = f" while trainer devices average {t_mean:.0f}%" if t_mean is not None else ""
+    return Finding(
+        "idle_server", "warning", "Inference devices are mostly idle",
+        f"server devices average {s_mean:.0f}% utilization over {len(server)} samples{trainer_txt}{share}",
+        "the trainer side is the bottleneck: move devices from devices.server to devices.trainer (or a smaller "
+        "server tensor_parallel_size), or raise trainer.steps_per_generation so one rollout feeds several "
+        "optimizer steps")
+
+
+def low_concurrency(records) -> Finding | None:
+    generation, step = _series(records.metrics, "time/generation"), _series(records.metrics, "time/step")
+    running = [r["running"] for r in records.rollout if isinstance(r.get("running"), (int, float)) and r["running"] > 0]
+    if not generation or not step or len(running) < 3:
+        return None
+    share = statistics.fmean(generation) / statistics.fmean(step)
+    trainer = _trainer(records)
+    batch = int(trainer.get("per_device_train_batch_size", 0)) * int(trainer.get("steps_per_generation") or 1)
+    in_flight = statistics.fmean(running)
+    if share < GENERATION_BOUND_SHARE or not batch or in_flight >= LOW_CONCURRENCY_FRACTION * batch:
+        return None
+    return Finding(
+        "low_concurrency", "warning", "The trainer waits for rollouts the server runs few at a time",
+        f"generation is {share:.0%} of each step; the server had {in_flight:.1f} requests in flight on average "
+        f"while busy, for a generation batch of {batch} completions",
+        "send more completions per generation (trainer.per_device_train_batch_size, trainer.steps_per_generation); "
+        "check server.max_num_seqs and the KV cache (waiting requests, preemptions in rollout.jsonl)")
+
+
+def long_tail(records) -> Finding | None:
+    means, maxes = _series(records.metrics, "completions/mean_length"), _series(records.metrics, "completions/max_length")
+    clipped = _series(records.metrics, "completions/clipped_ratio")
+    steps = _series(records.metrics, "time/step")
+    if len(means) < 3 or len(means) != len(maxes):
+        return None
+    ratio = statistics.median(m / a for m, a in zip(maxes, means) if a > 0)
+    clip = _mean(clipped) or 0.0
+    cv = statistics.pstdev(steps) / statistics.fmean(steps) if len(steps) >= 3 and statistics.fmean(steps) else 0.0
+    reasons = []
+    if ratio >= LONG_TAIL_MAX_OVER_MEAN:
+        reasons.append(f"the longest completion of a step is {ratio:.1f}x the mean (median over {len(means)} logs)")
+    if clip >= CLIPPED_RATIO:
+        reasons.append(f"{clip:.0%} of completions hit max_completion_length")
+    if cv >= STEP_TIME_CV and reasons:
+        reasons.append(f"step time varies by {cv:.0%} (coefficient of variation)")
+    if not reasons:
+        return None
+    limit = _trainer(records).get("max_completion_length")
+    typical = statistics.median(maxes)
+    return Finding(
+        "long_tail", "warning", "Long-tail completions stretch the steps",
+        "; ".join(reasons),
+        (f"cap trainer.max_completion_length nearer the typical longest completion (~{typical:.0f} tokens"
+         + (f", now {limit}" if limit else "") + "), set trainer.mask_truncated_completions=true so cut answers do "
+         "not teach, and raise the server's max_num_batched_tokens so long and short sequences share batches"))
+
+
+def kl_spikes(records) -> Finding | None:
+    kl = _series(records.metrics, "kl")
+    if len(kl) < 5:
+        return None
+    spikes = []
+    for i in range(3, len(kl)):
+        median = statistics.median(kl[:i])
+        if kl[i] > KL_SPIKE_MIN and kl[i] > KL_SPIKE_FACTOR * max(median, 1e-6):
+            spikes.append((i, kl[i], median))
+    if not spikes:
+        return None
+    steps = [records.metrics[i].get("step") for i, *_ in spikes][:5]
+    worst = max(spikes, key=lambda s: s[1])
+    beta = _trainer(records).get("beta")
+    return Finding(
+        "kl_spikes", "warning", "KL to the reference spikes",
+        f"{len(spikes)} log points with KL over {KL_SPIKE_FACTOR:g}x its running median (steps {steps}); worst "
+        f"{worst[1]:.3g} vs median {worst[2]:.3g}",
+        "lower trainer.learning_rate (or raise trainer.beta" + (f", now {beta}" if beta is not None else "")
+        + "); clip gradients harder (trainer.max_grad_norm)")
+
+
+def no_signal(records) -> Finding | None:
+    zero = _series(records.metrics, "frac_reward_zero_std")
+    if len(zero) < 3:
+        return None
+    _, last = _thirds(zero)
+    share = statistics.fmean(last)
+    if share < ZERO_STD_FRACTION:
+        return None
+    gens = _trainer(records).get("num_generations")
+    return Finding(
+        "no_signal", "warning", "Most groups carry no learning signal",
+        f"in the last third of the run {share:.0%} of prompt groups gave every completion the same reward "
+        "(frac_reward_zero_std): GRPO's advantage is zero for them",
+        "raise trainer.num_generations" + (f" (now {gens})" if gens else "") + " or trainer.temperature for more "
+        "varied completions; if the rewards are all high, use harder prompts; if all low, easier ones or a shaped "
+        "reward")
+
+
+def reward_unstable(records) -> Finding | None:
+    reward, std = _series(records.metrics, "reward"), _series(records.metrics, "reward_std")
+    if len(reward) < 6:
+        return None
+    window = max(2, len(reward) // 6)
+    rolling = [statistics.fmean(reward[i:i + window]) for i in range(len(reward) - window + 1)]
+    best = max(rolling)
+    first, last = _thirds(reward)
+    last_mean = statistics.fmean(last)
+    lr = _trainer(records).get("learning_rate")
+    if best > 0 and last_mean < REWARD_DROP * best:
+        return Finding(
+            "reward_drop", "warning", "Reward fell after its peak",
+            f"reward in the last third {last_mean:.3g}, best window {best:.3g}: the policy is unlearning",
+            "lower trainer.learning_rate" + (f" (now {lr:g})" if isinstance(lr, (int, float)) else "")
+            + ", raise trainer.beta to hold it near the reference, and check whether one reward (format?) is being "
+            "satisfied at the expense of the other")
+    if std:
+        std_first, std_last = _thirds(std)
+        if (statistics.fmean(last) <= statistics.fmean(first) + 0.01
+                and statistics.fmean(std_last) >= 0.95 * statistics.fmean(std_first)):
+            return Finding(
+                "reward_flat", "info", "Reward is not improving and its spread is not shrinking",
+                f"reward {statistics.fmean(first):.3g} -> {statistics.fmean(last):.3g} (first vs last third); "
+                f"reward_std {statistics.fmean(std_first):.3g} -> {statistics.fmean(std_last):.3g}",
+                "train longer, or raise trainer.learning_rate a little if KL stays small; check that the rewards "
+                "score what you mean on a few completions")
+    return None
+
+
+def sync_share(records) -> Finding | None:
+    sync_s, step = _series(records.metrics, "time/weight_sync"), _series(records.metrics, "time/step")
+    if not sync_s or not step:
+        return None
+    share = statistics.fmean(sync_s) / statistics.fmean(step)
+    if share < SYNC_SHARE:
+        return None
+    return Finding(
+        "sync_share", "warning", "Weight sync takes a large share of each step",
+        f"weight sync {statistics.fmean(sync_s):.3g}s of a {statistics.fmean(step):.3g}s step ({share:.0%})",
+        "use a collective sync where the hardware has one (server.weight_sync: nccl on CUDA, hccl on Ascend), put "
+        "server.sync_dir on /dev/shm for reload, or raise trainer.steps_per_generation to sync less often")
+
+
+RULES: dict[str, Callable] = {fn.__name__: fn for fn in
+                              (idle_server, low_concurrency, long_tail, kl_spikes, no_signal, reward_unstable,
+                               sync_share)}
+
+
+def advise(records=None, *, metrics=None, devices=None, rollout=None, recipe=None) -> list[Finding]:
+    if records is None:
+        records = RunRecords(metrics or [], devices or [], rollout or [], recipe)
+    elif not isinstance(records, RunRecords):  # a rundata.RunData: only the per-step lines are metrics
+        records = RunRecords(list(getattr(records, "train_metrics", records.metrics)), records.devices,
+                             records.rollout, records.recipe)
+    findings = []
+    for rule in RULES.values():
+        finding = rule(records)
+        if finding is not None:
+            findings.append(finding)
+    return findings

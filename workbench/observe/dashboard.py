@@ -1,0 +1,127 @@
+"""The live dashboard: follow a training from a notebook while another process trains.
+
+    proc = launch.start_training(run)                 # `workbench train` in a subprocess (workbench.training.launch)
+    dash = dashboard.Dashboard(run.train, process=proc)
+    dash.follow()                                      # blocks until the run ends; the Stop button works meanwhile
+
+The training runs in its own process and the dashboard only tails the run directory (metrics.jsonl,
+devices.jsonl, rollout.jsonl, the completions TRL logs), so the kernel stays responsive and a multi-process run
+(`accelerate launch`) is followed the same way. While the cell runs, widget events are processed between refreshes
+(jupyter-ui-poll), which is what lets the Stop button act: it writes run_dir/STOP, and the trainer checkpoints and
+ends after its current step. When the run ends, a static figure, the summary table and the advisor's findings are
+left in the cell output as plain PNG and HTML, so papermill's executed notebook and its HTML export show them.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+
+from workbench.observe import advisor, figures
+from workbench.observe.rundata import RunData
+from workbench.observe.views import completions_html, findings_html, fmt_seconds, summary_rows, table_html
+from workbench.rundir import TrainDir
+
+
+class Dashboard:
+    def __init__(self, train_dir: TrainDir, process: subprocess.Popen | None = None, refresh_s: float = 5.0,
+                 completions_shown: int = 4):
+        self.data = RunData(train_dir)
+        self.process = process
+        self.refresh_s = refresh_s
+        self.completions_shown = completions_shown
+        self._widgets = None
+        self._drawn_rows = -1
+        self._drawn_at = 0.0
+
+    # --- widgets ------------------------------------------------------------------------------------------------
+    def _build(self):
+        import ipywidgets as w
+
+        self.progress = w.IntProgress(value=0, min=0, max=max(1, self.data.max_steps() or 1), description="step")
+        self.status = w.HTML()
+        self.stop_button = w.Button(description="Stop (checkpoint first)", button_style="danger", icon="stop")
+        self.stop_button.on_click(self._on_stop)
+        self.curves, self.advice, self.samples = w.Output(), w.HTML(), w.HTML()
+        tabs = w.Tab(children=[self.curves, self.advice, self.samples])
+        for i, name in enumerate(("curves", "advisor", "completions")):
+            tabs.set_title(i, name)
+        self._widgets = w.VBox([w.HBox([self.progress, self.status, self.stop_button]), tabs])
+        return self._widgets
+
+    def _on_stop(self, _button=None) -> None:
+        self.data.dir.request_stop("Stop button")
+        self.stop_button.disabled = True
+        self.stop_button.description = "stopping after this step…"
+
+    def _update(self) -> None:
+        from IPython.display import Image
+
+        self.data.refresh()
+        prog = self.data.progress()
+        if prog["max_steps"]:
+            self.progress.max = prog["max_steps"]
+        self.progress.value = min(prog["step"], self.progress.max)
+        state = "finished" if prog["finished"] else ("stopping" if self.data.stop_requested else "training")
+        if self.process is not None and self.process.poll() not in (None, 0):
+            state = f"exited with {self.process.returncode} (see train.log)"
+        self.status.value = (f"&nbsp;{state} · {fmt_seconds(prog['seconds_per_step'])}/step · "
+                             f"ETA {fmt_seconds(prog['eta_seconds'])}")
+        rows = len(self.data.metrics)
+        # A redraw costs 0.5-0.8 s of CPU (nine panels): only for a new training log, and not more often than
+        # every 3 refreshes, or on a 2-core machine the dashboard would slow the run it watches.
+        due = time.time() - self._drawn_at >= 3 * self.refresh_s or prog["finished"]
+        if rows != self._drawn_rows and due:
+            self._drawn_rows, self._drawn_at = rows, time.time()
+            png = figures.png_bytes(figures.training_figure(self.data))
+            self.curves.outputs = ()  # replaced, not appended: one current figure
+            self.curves.append_display_data(Image(data=png))
+            self.advice.value = findings_html(advisor.advise(self.data))
+            self.samples.value = completions_html(self.data.latest_completions(self.completions_shown))
+
+    def _running(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        return not self.data.finished
+
+    def follow(self, timeout_s: float | None = None) -> RunData:
+        """Show the widgets, refresh until the run ends (or timeout_s), then leave the static summary."""
+        from IPython.display import display
+
+        display(self._build())
+        started = time.time()
+        try:
+            os.nice(10)  # a viewer: on a machine the run fills (2 CPU cores), the trainer and server come first
+        except OSError:
+            pass
+        try:
+            from jupyter_ui_poll import ui_events
+            poller = ui_events()
+        except Exception:  # outside a kernel (or without the package): refresh without processing clicks
+            poller = None
+        with (poller if poller is not None else contextlib.nullcontext()) as poll:
+            while self._running() and (timeout_s is None or time.time() - started < timeout_s):
+                self._update()
+                next_at = time.time() + self.refresh_s
+                while time.time() < next_at and self._running():
+                    if poll is not None:
+                        poll(10)  # widget events, e.g. the Stop button
+                    time.sleep(0.5)
+        self._update()
+        self.finish()
+        return self.data
+
+    def finish(self) -> None:
+        """The static record of the run in the cell output (PNG + HTML): what papermill and nbconvert keep."""
+        from IPython.display import HTML, Image, display
+
+        self.data.refresh()
+        display(Image(data=figures.png_bytes(figures.training_figure(self.data))))
+        display(HTML(table_html(summary_rows(self.data))))
+        display(HTML(findings_html(advisor.advise(self.data))))
+        display(HTML(completions_html(self.data.latest_completions(self.completions_shown))))
+        if self.process is not None and self.process.returncode not in (None, 0):
+            tail = self.data.dir.log.read_text(errors="replace").splitlines()[-25:]
+            raise RuntimeError(f"training exited with status {self.process.returncode}; last lines of "
+                               f"{self.data.dir.log}:\n" + "\n".join(tail))

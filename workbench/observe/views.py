@@ -1,0 +1,81 @@
+"""HTML views of a training: the summary table, advisor findings and sample completions, as plain HTML strings.
+
+    from workbench.observe import views
+    views.table_html(views.summary_rows(data))      # data: observe.rundata.RunData
+
+Shared by the live dashboard (notebook 04) and the report, so both show the same numbers the same way.
+"""
+from __future__ import annotations
+
+import html
+
+from workbench.observe import advisor, figures
+from workbench.observe.rundata import RunData
+
+
+def fmt_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    seconds = int(seconds)
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def summary_rows(data: RunData) -> list[tuple[str, str]]:
+    """The headline numbers of a run, as (name, value) rows."""
+    rows = data.train_metrics
+    prog = data.progress()
+    out = [("steps", f"{prog['step']}" + (f" / {prog['max_steps']}" if prog["max_steps"] else ""))]
+    if rows:
+        first, last = rows[: max(1, len(rows) // 5)], rows[-max(1, len(rows) // 5):]
+
+        def avg(part, key):
+            values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
+            return sum(values) / len(values) if values else None
+
+        for key, label in (("reward", "reward"), ("kl", "KL"), ("entropy", "entropy"),
+                           ("completions/mean_length", "completion length"), ("frac_reward_zero_std",
+                                                                             "groups with no signal")):
+            a, b = avg(first, key), avg(last, key)
+            if a is not None:
+                out.append((f"{label} (first → last fifth)", f"{a:.3g} → {b:.3g}"))
+        phases = [(key, f"  {label}") for key, label in figures.PHASES]
+        for key, label in [("time/step", "step time (s)"), *phases, ("rollout/tokens_per_second", "rollout tokens/s")]:
+            value = avg(rows, key)
+            if value is not None:
+                out.append((label, f"{value:.3g}"))
+    summary = data.train_summary or {}
+    monitor = summary.get("monitor") or {}
+    if monitor.get("wall_seconds"):
+        out.append(("sampler CPU time", f"{monitor['cpu_seconds']:.2f}s over {monitor['wall_seconds']:.0f}s "
+                                        f"({monitor['core_share']:.2%} of a core)"))
+    if summary.get("stopped_early_at") is not None:
+        out.append(("stopped early", f"at step {summary['stopped_early_at']} (STOP)"))
+    return out
+
+
+def table_html(rows: list[tuple[str, str]]) -> str:
+    body = "".join(f"<tr><td style='text-align:left'>{html.escape(k)}</td><td style='text-align:left'>"
+                   f"{html.escape(v)}</td></tr>" for k, v in rows)
+    return f"<table>{body}</table>"
+
+
+def findings_html(findings: list[advisor.Finding]) -> str:
+    if not findings:
+        return f"<p>Advisor: none of its {len(advisor.RULES)} rules found a problem in the recorded data.</p>"
+    items = "".join(f"<li><b>{html.escape(f.title)}</b> ({f.severity})<br>evidence: {html.escape(f.evidence)}"
+                    f"<br>try: {html.escape(f.suggestion)}</li>" for f in findings)
+    return f"<p>Advisor:</p><ul>{items}</ul>"
+
+
+def completions_html(samples: list[dict]) -> str:
+    if not samples:
+        return "<p>No completions logged yet (trainer.log_completions).</p>"
+    head = "<tr><th>step</th><th>prompt</th><th>completion</th><th>rewards</th></tr>"
+    body = ""
+    for s in samples:
+        rewards = ", ".join(f"{k} {v:.2f}" for k, v in s.items()
+                            if k not in ("step", "prompt", "completion") and v is not None)
+        body += (f"<tr><td>{s['step']}</td><td style='text-align:left'>{html.escape(s['prompt'][-120:])}</td>"
+                 f"<td style='text-align:left'><code>{html.escape(s['completion'][:200])}</code></td>"
+                 f"<td>{html.escape(rewards)}</td></tr>")
+    return f"<table>{head}{body}</table>"

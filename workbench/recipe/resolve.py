@@ -1,0 +1,192 @@
+"""The resolved recipe: everything the stages would otherwise work out for themselves, worked out once.
+
+    from workbench import recipe
+    rr = recipe.resolve(recipe.load("cpu-tiny"))
+    rr.platform, rr.model_path, rr.weight_sync, rr.server_url, rr.server.devices, rr.trainer.env
+
+Entry points (the CLI, `workbench run`, the notebooks) resolve a recipe once and pass the result down; the modules
+below never detect the platform, look up the API key or guess a model path themselves. This is the only caller of
+the platform detection. The resolved recipe holds no secret in a printable field: the API key is read from the
+variable `server.api_key_env` names and kept out of `repr` and `describe()`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workbench.errors import WorkbenchError
+from workbench.recipe.schema import Recipe
+
+VISIBLE_DEVICES = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
+
+
+@dataclass(frozen=True)
+class Role:
+    """One side of the device split: its device ids (cores on the CPU) and the variables its processes get."""
+    name: str
+    devices: tuple[int, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    recipe: Recipe
+    platform: str  # cpu | cuda | npu: what this run uses
+    model_path: str  # a directory, a hub id, or the tiny model's cache directory (built on first use)
+    weight_sync: str  # nccl | hccl | reload | none
+    server_url: str  # where the trainer and the evaluator reach the server
+    server: Role
+    trainer: Role
+    api_key: str | None = field(default=None, repr=False)
+    trainer_processes: int = 1  # trainer processes per node (more than one: `accelerate launch`)
+    server_versions: dict = field(default_factory=dict)  # vllm / vllm_ascend the server runs (or is planned with)
+    versions_source: str = "installed"  # installed | recommended row (planning for a machine that is not this one)
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.recipe.model.path == "tiny"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The HTTP headers every request to the server carries (the bearer key when there is one)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def describe(self) -> dict:
+        """What was resolved, without secrets: for `workbench recipe show`, env.json and the report."""
+        return {"platform": self.platform, "model_path": self.model_path, "weight_sync": self.weight_sync,
+                "server_url": self.server_url, "api_key": "set" if self.api_key else "none",
+                "server_versions": {k: v for k, v in self.server_versions.items() if v},
+                "versions_source": self.versions_source,
+                "server": {"devices": list(self.server.devices), "env": sorted(self.server.env)},
+                "trainer": {"devices": list(self.trainer.devices), "env": sorted(self.trainer.env),
+                            "processes": self.trainer_processes, "nodes": self.recipe.distributed.nodes}}
+
+    @functools.cached_property
+    def host_platform(self) -> str:
+        """What this machine offers (the environment check compares it with the recipe's platform)."""
+        if self.recipe.devices.platform == "auto":
+            return self.platform
+        from workbench.platform.detect import detect_platform
+
+        return detect_platform()
+
+    def with_recipe(self, recipe: Recipe) -> "Resolved":
+        """The same resolution for a variant of the recipe (the smoke run's three steps, the eval's sample count)."""
+        return resolve(recipe, platform=self.platform)
+
+
+def server_url(recipe: Recipe) -> str:
+    if recipe.server.mode == "attach" and recipe.server.url:
+        return recipe.server.url.rstrip("/")
+    host = "127.0.0.1" if recipe.server.host in ("0.0.0.0", "::", "") else recipe.server.host
+    return f"http://{host}:{recipe.server.port}"
+
+
+def server_versions(platform: str) -> tuple[dict, str]:
+    """What the server runs: the installed vLLM / vllm-ascend, or, for an Ascend recipe resolved on a machine without
+    vllm-ascend (a plan made on a laptop), the recommended row of the matrix."""
+    from workbench.platform import compat
+
+    installed = compat.installed_server_versions()
+    if platform == "npu" and not installed.get("vllm_ascend"):
+        row = compat.recommended()
+        return {"vllm": row["vllm"], "vllm_ascend": row["vllm_ascend"]}, "recommended row"
+    return installed, "installed"
+
+
+def weight_sync(recipe: Recipe, platform: str, versions: dict | None = None) -> str:
+    """The recipe's weight sync, 'auto' resolved for the server's versions (NCCL on CUDA; on Ascend the HCCL engine
+    where the row has it; file reload elsewhere), refused up front when the row cannot do it."""
+    from workbench.platform import compat
+
+    versions = versions if versions is not None else server_versions(platform)[0]
+    method = recipe.server.weight_sync
+    if method == "auto":
+        method = compat.auto_sync(platform, versions)
+    if method == "reload" and recipe.server.mode == "attach" and not recipe.server.sync_dir:
+        from urllib.parse import urlparse
+
+        host = urlparse(recipe.server.url or "").hostname or ""
+        if host not in ("localhost", "127.0.0.1", "::1") and not host.startswith("127."):
+            raise WorkbenchError(f"server.weight_sync=reload with a server on another machine ({host}): the reload "
+                                 "writes the weights to a directory the server reads, which must be one both "
+                                 "machines see", "set server.sync_dir to a shared directory (NFS) mounted at the same "
+                                 "path on both, or use the nccl / hccl weight sync, which crosses nodes")
+    ok, why = compat.sync_support(platform, method, versions)
+    if not ok and recipe.server.mode != "off":
+        raise WorkbenchError(why, "install a row that has it (workbench/platform/compat.yaml), or choose another "
+                                  "server.weight_sync")
+    return method
+
+
+def model_path(recipe: Recipe) -> str:
+    """The directory or hub id the recipe's model lives at (the tiny model's cache directory when 'tiny')."""
+    if recipe.model.path == "tiny":
+        from workbench.tasks.tinymodel import model_dir
+
+        return str(model_dir(recipe))
+    path = Path(recipe.model.path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise WorkbenchError(f"model.path {path} has no config.json",
+                                 "point model.path at a Hugging Face model directory (config.json, weights, tokenizer)")
+        return str(path.resolve())
+    looks_like_hub_id = recipe.model.path.count("/") == 1 and not recipe.model.path.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise WorkbenchError(f"model.path {recipe.model.path} does not exist",
+                             "set model.path to an existing model directory, a hub id such as Qwen/Qwen2.5-0.5B, or 'tiny'")
+    return recipe.model.path
+
+
+def _roles(recipe: Recipe, platform: str, sync: str) -> tuple[Role, Role]:
+    from workbench.platform import compat
+
+    d = recipe.devices
+    server_env, trainer_env = dict(d.env), dict(d.env)
+    if platform == "npu" and sync == "hccl":
+        needed = compat.capability_env("hccl_engine")
+        clash = {k: v for k, v in needed.items() if k in {**d.env, **recipe.server.env}
+                 and {**d.env, **recipe.server.env}[k] != v}
+        if clash:
+            name, value = next(iter(clash.items()))
+            raise WorkbenchError(f"the recipe sets {name}={ {**d.env, **recipe.server.env}[name]!r} for the server, but the "
+                                 f"HCCL weight sync needs {name}={value} (vllm-ascend refuses weight updates otherwise)",
+                                 f"drop {name} from devices.env / server.env")
+        server_env.update(needed)
+    server_env.update(recipe.server.env)
+    if platform == "cpu":
+        cores = ",".join(str(c) for c in d.server)
+        server_env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        server_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(recipe.server.kv_cache_space_gib))
+        server_env.setdefault("OMP_NUM_THREADS", str(len(d.server)))
+    elif platform in VISIBLE_DEVICES:
+        server_env[VISIBLE_DEVICES[platform]] = ",".join(str(x) for x in d.server)
+        trainer_env[VISIBLE_DEVICES[platform]] = ",".join(str(x) for x in d.trainer)
+    return Role("server", tuple(d.server), server_env), Role("trainer", tuple(d.trainer), trainer_env)
+
+
+def resolve(recipe: Recipe, platform: str | None = None, versions: dict | None = None) -> Resolved:
+    """Resolve a loaded recipe; `platform` skips detection and `versions` ({'vllm': ..., 'vllm_ascend': ...}) the
+    lookup of the installed server stack (tests, or a plan for another machine)."""
+    if platform is None:
+        if recipe.devices.platform != "auto":
+            platform = recipe.devices.platform
+        else:
+            from workbench.platform.detect import detect_platform
+
+            platform = detect_platform()
+    key = None
+    if recipe.server.api_key_env:
+        key = os.environ.get(recipe.server.api_key_env)
+    versions, source = (dict(versions), "given") if versions is not None else server_versions(platform)
+    sync = weight_sync(recipe, platform, versions)
+    processes = recipe.distributed.processes or (len(recipe.devices.trainer) if platform in VISIBLE_DEVICES else 1)
+    if platform in VISIBLE_DEVICES and processes > len(recipe.devices.trainer):
+        raise WorkbenchError(f"distributed.processes={processes} but devices.trainer lists {len(recipe.devices.trainer)} "
+                             "device(s): one trainer process per card", "list more trainer devices or lower the count")
+    server_role, trainer_role = _roles(recipe, platform, sync)
+    return Resolved(recipe=recipe, platform=platform, model_path=model_path(recipe), weight_sync=sync,
+                    server_url=server_url(recipe), server=server_role, trainer=trainer_role, api_key=key,
+                    trainer_processes=processes, server_versions=versions, versions_source=source)

@@ -1,0 +1,151 @@
+"""The recipe's sections as dataclasses: every knob, its type, its default and (in a comment) what it does.
+
+A recipe has eight sections: model, data, server, trainer, rewards, devices, monitor, eval. Each knob lives in
+exactly one of them; the trainer arguments TRL needs for the server, the rewards and the device come from the
+other sections (workbench.training.config), never from a second copy.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+SECTIONS = ("model", "data", "server", "trainer", "rewards", "devices", "distributed", "monitor", "eval")
+
+
+
+@dataclass
+class TinyModelConfig:
+    """Size and pre-training of the model `workbench tiny-model` builds (used when model.path is 'tiny')."""
+    seed: int = 0
+    vocab_size: int = 512
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    pretrain_steps: int = 200  # stop early on purpose: the model follows the format but is often wrong
+    batch_size: int = 32
+    learning_rate: float = 2e-3
+    warmup_steps: int = 20
+    lr_schedule: str = "cosine"  # cosine (to 10%) | constant (a noisier, higher-entropy policy)
+    eval_size: int = 300  # held-out problems scored after pre-training
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny"  # 'tiny' (built by the workbench), a local Hugging Face directory, or a hub id
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class DataConfig:
+    name: str = "arithmetic"  # arithmetic | gsm8k | math500 | aime2024 | file
+    path: str | None = None  # local .jsonl/.json/.parquet instead of the hub
+    fields: dict[str, str] | None = None  # our column -> file column: question, answer, id
+    split: str = "train"
+    eval_split: str = "heldout"
+    seed: int = 0
+    heldout_size: int = 300  # arithmetic only: problems kept out of training
+    train_size: int | None = None  # first N training rows; None = all
+    system_prompt: str | None = None
+    instruction: str | None = None  # appended to each question, e.g. where to put the final answer
+    max_prompt_length: int = 64  # tokens, chat template included; longer prompts are an error, not a silent cut
+
+
+@dataclass
+class ServerConfig:
+    mode: str = "managed"  # managed (the workbench starts vLLM) | attach (someone else's, at url) | off (no vLLM)
+    url: str | None = None  # for attach, e.g. http://10.0.0.5:8001
+    host: str = "127.0.0.1"  # loopback unless you mean it: weight-update endpoints are open on this address
+    port: int = 8000
+    served_model_name: str = "policy"
+    max_model_len: int = 256  # must hold the longest prompt plus max_completion_length
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None  # chunked prefill: caps the long-tail prefill spikes
+    enforce_eager: bool = False
+    kv_cache_space_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
+    api_key_env: str | None = None  # name of the environment variable holding the API key, never the key
+    startup_timeout_s: float = 300.0
+    weight_sync: str = "auto"  # auto | nccl | hccl | reload | none
+    sync_dir: str | None = None  # reload adapter's directory; default under /dev/shm
+    extra_args: list[str] = field(default_factory=list)  # more vLLM flags, passed as they are
+    env: dict[str, str] = field(default_factory=dict)  # more environment variables for the server only
+
+
+@dataclass
+class DevicesConfig:
+    platform: str = "auto"  # auto | cpu | cuda | npu
+    server: list[int] = field(default_factory=lambda: [0])  # device ids (CPU: cores) that serve
+    trainer: list[int] = field(default_factory=lambda: [1])  # device ids (CPU: cores) that train
+    env: dict[str, str] = field(default_factory=dict)  # for every process (HCCL timeouts, log levels)
+
+
+@dataclass
+class DistributedConfig:
+    """How the trainer runs on several processes and nodes: through `accelerate launch`, never a launcher of ours."""
+    processes: int | None = None  # trainer processes per node; None: one per devices.trainer id (CPU: 1)
+    nodes: int = 1  # machines that train
+    node_rank: int = 0  # this machine's index among them (0 = the main node)
+    main_address: str = "127.0.0.1"  # the main node's address as the other nodes reach it
+    main_port: int = 29500  # the trainers' rendezvous port on the main node
+    strategy: str = "ddp"  # ddp | deepspeed | fsdp
+    zero_stage: int = 2  # deepspeed only: 1, 2 or 3 (3 shards the weights too)
+    mixed_precision: str = "auto"  # auto (bf16 when trainer.bf16 on an accelerator, else no) | no | bf16 | fp16
+    device_memory_gib: float | None = None  # per card, for `workbench plan` (None: 64 on a 910B, 80 on CUDA)
+
+
+@dataclass
+class MonitorConfig:
+    runs_dir: str = "runs"
+    sample_interval_s: float = 1.0  # device and server sampling period
+    dashboard: bool = True
+    completions_shown: int = 4
+
+
+@dataclass
+class EvalConfig:
+    split: str = "heldout"
+    num_samples: int = 300
+    repeats: int = 1
+    concurrency: int = 8
+    endpoint: str = "chat"  # chat | completions
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 1234
+    max_tokens: int = 48
+    stop: list[str] = field(default_factory=list)
+    retries: int = 3  # per request, on connection errors, timeouts and 5xx
+
+
+@dataclass
+class Recipe:
+    name: str = "custom"
+    description: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    trainer: dict[str, Any] = field(default_factory=dict)  # trl.GRPOConfig arguments, checked against it
+    rewards: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.2})
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False, width=110)
+
+    @property
+    def max_completion_length(self) -> int:
+        from workbench.recipe.trl_fields import default
+
+        return int(self.trainer.get("max_completion_length", default("max_completion_length")))

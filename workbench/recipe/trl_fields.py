@@ -1,0 +1,117 @@
+"""The arguments `trl.GRPOConfig` accepts, read from the installed TRL's source without importing it.
+
+    from workbench.recipe import trl_fields
+    trl_fields.names()                        # {'learning_rate', 'num_generations', 'max_completion_length', ...}
+    trl_fields.default("max_completion_length")
+
+Checking a recipe's `trainer:` keys must not cost an import of TRL (and with it torch and transformers, several
+seconds): `workbench recipe show`, `report` and `advise` stay light. So the dataclass fields of GRPOConfig and of
+its bases (TRL's base config, transformers' TrainingArguments) are read from the installed files with `ast`,
+following each base class to the module it is imported from. The trainer stage still builds the real GRPOConfig
+(workbench.training.config), which applies TRL's own cross-field rules.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any
+
+from workbench.errors import WorkbenchError
+
+MISSING = object()  # a field without a literal default (a factory, or computed)
+
+
+def _module_file(module: str) -> Path | None:
+    """The source file of a dotted module name, found from its top-level package without importing anything."""
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    base = Path(list(spec.submodule_search_locations)[0]).joinpath(*rest)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _resolve(module: str, level: int, name: str | None) -> str:
+    if level == 0:
+        return name or ""
+    parts = module.split(".")[:-level]
+    return ".".join(parts + ([name] if name else []))
+
+
+def _default(value: ast.expr | None) -> Any:
+    if value is None:
+        return MISSING
+    if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
+        for kw in value.keywords:
+            if kw.arg == "default":
+                return _default(kw.value)
+        return MISSING
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError):
+        return MISSING
+
+
+def _class_fields(module: str, class_name: str, seen: set) -> dict[str, Any]:
+    if (module, class_name) in seen:
+        return {}
+    seen.add((module, class_name))
+    path = _module_file(module)
+    if path is None:
+        return {}
+    tree = ast.parse(path.read_text())
+    imports: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                imports[alias.asname or alias.name] = _resolve(module, node.level, node.module)
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
+    if cls is None and path.name == "__init__.py":
+        # A lazy package face (transformers exports TrainingArguments without an import statement): the class
+        # lives in one of the package's own modules.
+        for sibling in sorted(path.parent.glob("*.py")):
+            if re.search(rf"^class {class_name}\b", sibling.read_text(errors="replace"), re.M):
+                return _class_fields(f"{module}.{sibling.stem}", class_name, seen)
+    if cls is None:
+        return {}
+    fields: dict[str, Any] = {}
+    for base in cls.bases:  # bases first: a subclass overrides their defaults
+        base_name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
+        if base_name and base_name in imports:
+            fields.update(_class_fields(imports[base_name], base_name, seen))
+        elif base_name:
+            fields.update(_class_fields(module, base_name, seen))
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            annotation = ast.unparse(node.annotation)
+            if annotation.startswith(("ClassVar", "typing.ClassVar")):
+                continue
+            fields[node.target.id] = _default(node.value)
+    return fields
+
+
+@functools.lru_cache(maxsize=1)
+def fields() -> dict[str, Any]:
+    """GRPOConfig's argument names mapped to their literal defaults (MISSING where not a literal)."""
+    found = _class_fields("trl.trainer.grpo_config", "GRPOConfig", set())
+    if "num_generations" not in found or "learning_rate" not in found:
+        raise WorkbenchError("cannot read trl.GRPOConfig's arguments from the installed TRL",
+                             "install the project (make install): TRL 1.16 is required")
+    return found
+
+
+def names() -> set[str]:
+    return set(fields())
+
+
+def default(name: str) -> Any:
+    value = fields().get(name, MISSING)
+    if value is MISSING:
+        raise KeyError(f"GRPOConfig.{name} has no literal default")
+    return value

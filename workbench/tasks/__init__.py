@@ -1,0 +1,1 @@
+"""What is learned and how it is scored: datasets, reward functions, grading, the arithmetic task, the tiny model."""

@@ -1,0 +1,326 @@
+"""Load a training or evaluation set as workbench rows, from the Hugging Face hub or from a local file.
+
+Every row has the same columns, whatever the source, so rewards, training and evaluation need not know it:
+
+    prompt   chat messages: an optional system message, then the question as the user message
+    answer   the gold final answer as a string ("42", "\\frac{1}{2}"), never a worked solution
+    id       a string, unique within the dataset
+    source   the dataset's name ("gsm8k", "math500", ...; a file's stem for name="file")
+
+Known datasets are "arithmetic" (generated, see workbench.arithmetic), "gsm8k", "math500" and "aime2024";
+"file" reads any local file given `path` and `fields`. A hub dataset can always be read from a local copy
+instead (`path=`, .jsonl, .json list or .parquet), which is the way to go where the hub cannot be reached:
+
+    from workbench.tasks.dataset import load_rows
+    rows = load_rows("gsm8k", "train", limit=100)
+    rows = load_rows("gsm8k", "test", path="gsm8k_test.jsonl")
+    rows = load_rows("file", "train", path="mine.parquet", fields={"question": "q", "answer": "a"})
+
+    python -m workbench.tasks.dataset gsm8k test [path]     # prints the first rows
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from workbench.errors import WorkbenchError
+
+if TYPE_CHECKING:
+    import datasets
+
+
+def _gsm8k_answer(text: str) -> str:
+    # GSM8K answers are worked solutions ending "#### 1,234"; a file with answers already reduced has no '####'.
+    return text.rsplit("####", 1)[-1].replace(",", "").strip()
+
+
+def _plain_answer(text: str) -> str:
+    return text.strip()
+
+
+# hub: (id, config); splits: our split name -> hub split. MATH-500 and AIME 2024 have a single split each and
+# are evaluation sets, so they offer no "train", which keeps them from being trained on by accident.
+DATASETS: dict[str, dict[str, Any]] = {
+    "gsm8k": {
+        "hub": ("openai/gsm8k", "main"),
+        "splits": {"train": "train", "test": "test", "heldout": "test"},
+        "fields": {"question": "question", "answer": "answer"},
+        "extract": _gsm8k_answer,
+    },
+    "math500": {
+        "hub": ("HuggingFaceH4/MATH-500", None),
+        "splits": {"test": "test", "heldout": "test"},
+        "fields": {"question": "problem", "answer": "answer"},
+        "extract": _plain_answer,
+    },
+    "aime2024": {
+        "hub": ("HuggingFaceH4/aime_2024", None),
+        "splits": {"test": "train", "heldout": "train"},
+        "fields": {"question": "problem", "answer": "answer", "id": "id"},
+        "extract": _plain_answer,
+    },
+    "file": {
+        "hub": None,
+        "splits": None,
+        "fields": {"question": "question", "answer": "answer"},
+        "extract": _plain_answer,
+    },
+}
+KNOWN = ("arithmetic", *DATASETS)
+_FIELD_KEYS = ("question", "answer", "id")
+_HUB_PROBE_TIMEOUT_S = 3
+
+
+def load_rows(
+    name: str,
+    split: str,
+    path: str | None = None,
+    fields: dict | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    system_prompt: str | None = None,
+    instruction: str | None = None,
+    heldout_size: int = 300,
+) -> list[dict]:
+    """Rows of one dataset split, in file (or hub) order.
+
+    With `path`, the file is the split: `split` is not checked. `fields` maps our columns ("question",
+    "answer", optional "id") to the file's columns, over the dataset's defaults. `limit` keeps the first N rows
+    in that order (no shuffle; the trainer shuffles). `seed` and `heldout_size` only matter for "arithmetic",
+    whose splits are drawn from them. `instruction` goes on a new line after the question; `system_prompt`
+    becomes a first, system message.
+    """
+    if name not in KNOWN:
+        raise WorkbenchError(f"unknown dataset {name!r}", f"use one of: {', '.join(KNOWN)}")
+    if limit is not None and limit < 1:
+        raise WorkbenchError(f"limit={limit} keeps no rows", "set limit to a positive number, or leave it out")
+    if name == "arithmetic":
+        return _arithmetic(split, path, limit, seed, heldout_size, system_prompt, instruction)
+
+    spec = DATASETS[name]
+    columns = _field_map(name, spec["fields"], fields)
+    if path is not None:
+        records = _read_file(path)
+        where, source = f"{name} file {path}", Path(path).stem if name == "file" else name
+    elif name == "file":
+        raise WorkbenchError("dataset 'file' needs a path", "set data.path to a local .jsonl, .json or .parquet file")
+    else:
+        records = list(enumerate(_load_hub(name, split, spec), start=1))
+        where, source = f"{name} from the hub", name
+    # jsonl rows are numbered by line, so that an error points at the line an editor shows.
+    unit = "line" if path and Path(path).suffix.lower() == ".jsonl" else "row"
+
+    rows = []
+    seen_ids: set[str] = set()
+    for number, record in records[:limit]:
+        at = f"{where} {unit} {number}"
+        if not isinstance(record, Mapping):
+            raise WorkbenchError(f"{at} is a {type(record).__name__}, not an object",
+                                 "write one JSON object (question, answer, ...) per row")
+        question = _field(record, columns["question"], at)
+        gold = spec["extract"](str(_field(record, columns["answer"], at)))
+        row_id = str(_field(record, columns["id"], at)) if "id" in columns else f"{source}-{split}-{number}"
+        if row_id in seen_ids:
+            raise WorkbenchError(f"{at} repeats id {row_id!r}",
+                                 "give every row its own id, or drop 'id' from data.fields to number rows instead")
+        seen_ids.add(row_id)
+        rows.append({"prompt": _prompt(str(question), system_prompt, instruction), "answer": gold,
+                     "id": row_id, "source": source})
+    if not rows:
+        raise WorkbenchError(f"{where} has no rows", "point data.path at a file with at least one row")
+    return rows
+
+
+def recipe_rows(recipe, split: str | None = None, tokenizer=None, limit: int | None = None) -> list[dict]:
+    """The rows a recipe's data section names; with a tokenizer, prompts longer than data.max_prompt_length are an error.
+
+    `split` defaults to data.split (training), whose rows are cut to data.train_size.
+    """
+    data = recipe.data
+    split = split or data.split
+    if limit is None and split == data.split:
+        limit = data.train_size
+    rows = load_rows(data.name, split, path=data.path, fields=data.fields, limit=limit, seed=data.seed,
+                     system_prompt=data.system_prompt, instruction=data.instruction, heldout_size=data.heldout_size)
+    if tokenizer is not None:
+        longest = max_prompt_tokens(rows, tokenizer)
+        if longest > data.max_prompt_length:
+            raise WorkbenchError(
+                f"the longest {data.name} {split} prompt is {longest} tokens, over data.max_prompt_length="
+                f"{data.max_prompt_length}",
+                f"raise data.max_prompt_length to {longest} (and server.max_model_len with it), or use shorter prompts")
+    return rows
+
+
+def eval_rows(recipe) -> list[dict]:
+    """The rows the recipe's eval section scores (eval.split, the first eval.num_samples)."""
+    rows = recipe_rows(recipe, split=recipe.eval.split, limit=recipe.eval.num_samples)
+    if len(rows) < recipe.eval.num_samples and recipe.data.name == "arithmetic":
+        raise WorkbenchError(f"eval.num_samples={recipe.eval.num_samples} but the held-out split has {len(rows)}",
+                             "raise data.heldout_size or lower eval.num_samples")
+    return rows
+
+
+def to_hf_dataset(rows: list[dict]) -> datasets.Dataset:
+    """Rows as a datasets.Dataset, the form TRL's GRPOTrainer takes."""
+    import datasets
+
+    return datasets.Dataset.from_list(rows)
+
+
+def max_prompt_tokens(rows: Iterable[dict], tokenizer) -> int:
+    """Length in tokens of the longest prompt once the chat template and generation prompt are applied; 0 if none."""
+    longest = 0
+    for row in rows:
+        out = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+        # transformers 5 returns a BatchEncoding; older versions a plain list of ids.
+        ids = out["input_ids"] if isinstance(out, Mapping) else out
+        if len(ids) and isinstance(ids[0], (list, tuple)):
+            ids = ids[0]
+        longest = max(longest, len(ids))
+    return longest
+
+
+def _prompt(question: str, system_prompt: str | None, instruction: str | None) -> list[dict]:
+    user = f"{question}\n{instruction}" if instruction else question
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return messages + [{"role": "user", "content": user}]
+
+
+def _arithmetic(split: str, path: str | None, limit: int | None, seed: int, heldout_size: int,
+                system_prompt: str | None, instruction: str | None) -> list[dict]:
+    from workbench.tasks import arithmetic
+
+    if path is not None:
+        # Silently ignoring the path would train on something other than what the recipe says.
+        raise WorkbenchError("dataset 'arithmetic' is generated and reads no file",
+                             "drop data.path, or use name 'file' to read it")
+    rows = arithmetic.rows(split, seed=seed, heldout_size=heldout_size, limit=limit)
+    if system_prompt or instruction:
+        for row in rows:
+            row["prompt"] = _prompt(row["prompt"][-1]["content"], system_prompt, instruction)
+    return rows
+
+
+def _field_map(name: str, defaults: dict, fields: dict | None) -> dict:
+    unknown = sorted(set(fields or {}) - set(_FIELD_KEYS))
+    if unknown:
+        raise WorkbenchError(f"data.fields for {name!r} has unknown keys {unknown}",
+                             f"use only {', '.join(_FIELD_KEYS)} as keys, each naming a column of the file")
+    return {**defaults, **(fields or {})}
+
+
+def _field(record: Mapping, column: str, at: str) -> Any:
+    # A null counts as missing: str(None) would become a question or gold answer reading "None".
+    value = record.get(column)
+    if value is None:
+        raise WorkbenchError(f"{at} has no {column!r} field (it has: {', '.join(map(str, record)) or 'none'})",
+                             "set data.fields to map question/answer/id onto the file's column names")
+    return value
+
+
+def _read_file(path: str) -> list[tuple[int, Any]]:
+    """(row number, record) pairs: the line number for .jsonl, the 1-based position otherwise."""
+    file = Path(path)
+    if not file.is_file():
+        raise WorkbenchError(f"data file {path} does not exist",
+                             "check data.path, or download the dataset there as .jsonl, .json or .parquet")
+    suffix = file.suffix.lower()
+    if suffix == ".jsonl":
+        return list(_read_jsonl(file))
+    if suffix == ".json":
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise WorkbenchError(f"{path} is not valid JSON ({e})",
+                                 "write a JSON list of objects, or use .jsonl") from None
+        if not isinstance(data, list):
+            raise WorkbenchError(f"{path} holds a JSON {type(data).__name__}, not a list",
+                                 "write a JSON list of objects, one per row, or use .jsonl")
+        return list(enumerate(data, start=1))
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(enumerate(pq.read_table(file).to_pylist(), start=1))
+    raise WorkbenchError(f"data file {path} has unknown format {suffix or '(no extension)'!r}",
+                         "use a .jsonl, .json (a list of objects) or .parquet file")
+
+
+def _read_jsonl(file: Path) -> Iterable[tuple[int, Any]]:
+    with file.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise WorkbenchError(f"{file} line {number} is not valid JSON ({e.msg})",
+                                     "write one JSON object per line") from None
+
+
+def _load_hub(name: str, split: str, spec: dict) -> Iterable[Mapping]:
+    """The split from the hub, or from the local hub cache when the hub cannot be reached."""
+    hub_id, config = spec["hub"]
+    if split not in spec["splits"]:
+        raise WorkbenchError(f"dataset {name!r} has no split {split!r}", f"use one of: {', '.join(spec['splits'])}")
+    fix = (f"download {hub_id} where the hub is reachable, save the split as .jsonl or .parquet, and set data.path "
+           f"to it (data.fields if its columns are not {', '.join(spec['fields'].values())})")
+    import datasets
+
+    try:
+        with _cache_only(not _hub_reachable()):
+            return datasets.load_dataset(hub_id, config, split=spec["splits"][split])
+    except Exception as e:  # noqa: BLE001 - any failure here means "no copy of this dataset", with one fix
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise WorkbenchError(f"cannot load {name} ({hub_id}) from the hub or its cache: {reason}", fix) from None
+
+
+def _hub_reachable() -> bool:
+    """One short request, because datasets retries an unreachable hub for about half a minute before failing."""
+    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+           for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return False
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=_HUB_PROBE_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - DNS, refused, timeout, offline mode: all mean "not reachable"
+        return False
+    return True
+
+
+@contextmanager
+def _cache_only(active: bool) -> Iterator[None]:
+    """The hub libraries' offline mode for one load, so a cached copy still loads and a missing one fails at once.
+
+    They read HF_HUB_OFFLINE only when imported, so setting the variable later would not reach them.
+    """
+    if not active:
+        yield
+        return
+    import datasets
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 3:
+        sys.exit("usage: python -m workbench.tasks.dataset NAME SPLIT [PATH]")
+    try:
+        for r in load_rows(sys.argv[1], sys.argv[2], path=sys.argv[3] if len(sys.argv) > 3 else None, limit=3):
+            print(r["id"], repr(r["prompt"][-1]["content"][:80]), "->", r["answer"])
+    except WorkbenchError as e:
+        sys.exit(str(e))

@@ -1,0 +1,40 @@
+"""One trainer rank under `accelerate launch`: the run's recipe, the already running server, this rank's share.
+
+    accelerate launch --config_file RUN/train/accelerate.yaml -m workbench.training.rank --train-dir RUN/train
+
+Started by `workbench train` (workbench/training/train.py) after it has started the run's one server; the command
+is also what a user re-runs by hand on each node. Every rank reads the training's recipe.yaml (its own, or the run's); the server's process id
+comes in WORKBENCH_SERVER_PID (for the device sampler on the main rank).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from workbench.errors import WorkbenchError
+
+
+def main(argv: list[str] | None = None) -> int:
+    from workbench import recipe
+    from workbench.rundir import TrainDir
+    from workbench.tasks import tinymodel
+    from workbench.training.train import run_trainer
+
+    parser = argparse.ArgumentParser(prog="python -m workbench.training.rank")
+    parser.add_argument("--train-dir", required=True)
+    args = parser.parse_args(argv)
+    try:
+        train_dir = TrainDir(args.train_dir)
+        rr = recipe.resolve(recipe.load(str(train_dir.recipe)))
+        model_path = tinymodel.ensure_model(rr)
+        server_pid = int(os.environ["WORKBENCH_SERVER_PID"]) if os.environ.get("WORKBENCH_SERVER_PID") else None
+        run_trainer(rr, train_dir, model_path, server_pid=server_pid, server_url=rr.server_url)
+    except WorkbenchError as exc:
+        print(f"error (rank {os.environ.get('RANK', '?')}): {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The smoke run's explicit checks: a few GRPO steps of the real recipe, then proof that each part did its job.
+
+    smoke_rr = rr.with_recipe(smoke.variant(rr.recipe, overrides))   # the run's recipe, three logged steps
+    result = train.train(smoke_rr, run.smoke)
+    checks = smoke.verify(run.smoke, base_model)          # -> SmokeChecks; .save(run.smoke), .require()
+
+Checks: the loss is finite at every step; the server served the step's completions (its own request counter, not
+the trainer's word); the weights were pushed to the server every step; the trained weights differ from the base
+(the optimizer moved them); the final model was saved in Hugging Face format and the metrics file is complete.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from workbench.errors import WorkbenchError
+from workbench.observe import scraper
+from workbench.observe.records import read_jsonl
+from workbench.rundir import TrainDir, write_atomic
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+class SmokeFailed(WorkbenchError):
+    pass
+
+
+def _max_weight_change(base: Path, trained: Path) -> float:
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(base / "model.safetensors")), load_file(str(trained / "model.safetensors"))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a if k in b)
+
+
+@dataclass
+class SmokeChecks:
+    """The smoke stage's result: every check with its evidence; saves and loads itself."""
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def save(self, train_dir: TrainDir) -> Path:
+        return write_atomic(train_dir.smoke_checks, json.dumps([asdict(c) for c in self.checks], indent=2))
+
+    @classmethod
+    def load(cls, train_dir: TrainDir) -> "SmokeChecks | None":
+        try:
+            return cls([Check(**c) for c in json.loads(train_dir.smoke_checks.read_text())])
+        except (OSError, json.JSONDecodeError, TypeError):
+            return None
+
+    def require(self) -> None:
+        failed = [c for c in self.checks if not c.ok]
+        if failed:
+            raise SmokeFailed("smoke checks failed: " + "; ".join(f"{c.name} ({c.detail})" for c in failed),
+                              "read the run directory's train.log / vllm-server-*.log; fix before the full run")
+
+    def table(self) -> str:
+        lines = ["| check | result | detail |", "|---|---|---|"]
+        lines += [f"| {c.name} | {'pass' if c.ok else 'FAIL'} | {c.detail} |" for c in self.checks]
+        return "\n".join(lines)
+
+
+def variant(recipe, overrides: dict):
+    """The smoke variant of a recipe: the same model, server, data and rewards, with the smoke overrides."""
+    from workbench.recipe import load
+
+    return load(recipe, overrides)
+
+
+def verify(train_dir: TrainDir, base_model: str | Path) -> SmokeChecks:
+    rows = [r for r in read_jsonl(train_dir.metrics) if "loss" in r]
+    summary = json.loads(train_dir.summary.read_text()) if train_dir.summary.exists() else {}
+    steps = summary.get("steps", 0)
+    checks = [Check("training finished", bool(summary) and steps > 0,
+                    f"{steps} steps in {summary.get('train_seconds', 0):.1f}s" if summary else "no train.json")]
+    losses = [r["loss"] for r in rows]
+    checks.append(Check("loss finite", bool(losses) and all(math.isfinite(x) for x in losses),
+                        f"{len(losses)} logged losses: {[round(x, 5) for x in losses]}"))
+    import yaml
+
+    resolved = yaml.safe_load(train_dir.recipe.read_text()) if train_dir.recipe.exists() else {}
+    completions = steps * int(((resolved or {}).get("trainer") or {}).get("per_device_train_batch_size") or 1)
+    served = 0.0
+    if train_dir.server_metrics.exists():
+        served = scraper.parse(train_dir.server_metrics.read_text()).get("requests_finished", 0.0)
+    checks.append(Check("server served the rollouts", served >= completions and steps > 0,
+                        f"vllm:request_success_total = {served:.0f} after {steps} steps"
+                        f" (≥ {completions} completions expected)"))
+    pushes = sum(int(r.get("sync/count", 0)) for r in rows)
+    checks.append(Check("weights synced every step", pushes >= steps > 0,
+                        f"{pushes} pushes to the server, {sum(r.get('sync/megabytes', 0) for r in rows):.1f} MB"))
+    final = train_dir.final
+    if (final / "model.safetensors").exists() and (Path(base_model) / "model.safetensors").exists():
+        change = _max_weight_change(Path(base_model), final)
+        checks.append(Check("weights changed", change > 0, f"largest parameter change {change:.3g}"))
+    else:
+        checks.append(Check("weights changed", False, f"no model.safetensors in {final} or {base_model}"))
+    checks.append(Check("metrics complete", len(rows) == len({r['step'] for r in rows}) and bool(rows),
+                        f"{len(rows)} step lines in metrics.jsonl"))
+    return SmokeChecks(checks)

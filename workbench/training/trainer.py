@@ -1,0 +1,175 @@
+"""TRL's GRPOTrainer with the workbench's weight sync and a per-step time breakdown.
+
+    trainer = build_trainer(rr, model_path, output_dir, sync.make(rr))     # the server must already answer
+    trainer.train()
+
+The training entry (server, monitor, run directory, summary) is workbench/training/train.py.
+
+How the sync plugs in (TRL 1.16 has no extension point for it): `GRPOTrainer.__init__` builds its vLLM backend,
+and with it TRL's client, whose NCCL-only `init_communicator` fails on CPU and Ascend. `WorkbenchGRPOTrainer`
+lets the parent constructor run without vLLM, then builds TRL's backend itself as `_SyncingVLLMGeneration`, whose
+only change is the client class (`workbench.serving.sync.SyncingVLLMClient`). Everything else — when to sync, how
+parameters are gathered, generation, importance-sampling correction — is TRL's. tests/test_trl_hooks.py fails
+when the TRL internals this relies on change.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from trl import GRPOConfig, GRPOTrainer
+from trl.generation.vllm_generation import VLLMGeneration
+
+from workbench.recipe import Resolved
+from workbench.serving import sync
+from workbench.tasks import dataset, rewards
+from workbench.training.config import grpo_config
+
+
+class _SyncingVLLMGeneration(VLLMGeneration):
+    """TRL's vLLM backend with the workbench client in server mode."""
+
+    def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None, **kwargs):
+        self.weight_sync = weight_sync
+        self.headers = headers
+        super().__init__(*args, **kwargs)
+
+    def _init_vllm(self) -> None:
+        if self.mode != "server":
+            return super()._init_vllm()
+        if self.accelerator.is_main_process:
+            base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+            self.vllm_client = sync.SyncingVLLMClient(
+                base_url=base_url, group_port=self.group_port, connection_timeout=self.server_timeout,
+                weight_sync=self.weight_sync, headers=self.headers)
+            self.vllm_client.init_communicator(device=self.accelerator.device)
+        self.accelerator.wait_for_everyone()
+
+
+def vllm_generation_kwargs(trainer: GRPOTrainer, args: GRPOConfig) -> dict:
+    """The arguments GRPOTrainer.__init__ gives VLLMGeneration in TRL 1.16 (guarded by tests/test_trl_hooks.py)."""
+    return dict(
+        model=trainer.model, accelerator=trainer.accelerator, processing_class=trainer.processing_class,
+        mode=args.vllm_mode, structured_outputs_regex=args.vllm_structured_outputs_regex,
+        server_base_url=args.vllm_server_base_url, server_host=args.vllm_server_host,
+        server_port=args.vllm_server_port, group_port=args.vllm_group_port, server_timeout=args.vllm_server_timeout,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_length=args.vllm_max_model_length,
+        max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
+        enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
+        trust_remote_code=args.trust_remote_code, repetition_penalty=trainer.repetition_penalty,
+        temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k, min_p=trainer.min_p,
+        max_completion_length=trainer.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs,
+    )
+
+
+class WorkbenchGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose server-mode weight sync goes through a `workbench.serving.sync.WeightSync` adapter."""
+
+    def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None, **kwargs):
+        training_args: GRPOConfig = kwargs["args"]
+        wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
+        self.weight_sync = weight_sync
+        self._phase_seconds: dict[str, float] = {}
+        self._completion_tokens = 0
+        self._last_log_clock = time.perf_counter()
+        self._steps_at_last_log = 0
+        if wants_server:
+            training_args.use_vllm = False  # read once, in GRPOTrainer.__init__: skip TRL's NCCL-only client
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            training_args.use_vllm = wants_server or training_args.use_vllm
+        if isinstance(weight_sync, (sync.ReloadSync, sync.HcclSync)):  # both load through vLLM's layerwise reload
+            weight_sync.aliases.update(sync.tied_aliases(self.accelerator.unwrap_model(self.model)))
+        if wants_server:
+            self.use_vllm = True
+            self.vllm_generation = _SyncingVLLMGeneration(
+                **vllm_generation_kwargs(self, training_args), weight_sync=weight_sync, headers=headers)
+            self._last_loaded_step = -1
+
+    # --- the per-step time breakdown: each phase summed between two logs, reported per optimizer step ---------
+
+    def _timed(self, phase: str, started: float) -> None:
+        self._phase_seconds[phase] = self._phase_seconds.get(phase, 0.0) + time.perf_counter() - started
+
+    def _prepare_inputs(self, generation_batch):
+        started = time.perf_counter()
+        try:
+            return super()._prepare_inputs(generation_batch)
+        finally:
+            self._timed("rollout", started)
+
+    def _generate_single_turn(self, *args, **kwargs):
+        started = time.perf_counter()
+        completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+        self._timed("generation", started)  # includes the weight sync, which is subtracted at log time
+        self._completion_tokens += sum(len(ids) for ids in completion_ids)
+        return completion_ids, logprobs
+
+    def _calculate_rewards(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return super()._calculate_rewards(*args, **kwargs)
+        finally:
+            self._timed("reward", started)
+
+    def _step_breakdown(self, pushes: list[tuple[float, int]]) -> dict[str, float]:
+        now, steps = time.perf_counter(), self.state.global_step - self._steps_at_last_log
+        phases, self._phase_seconds = self._phase_seconds, {}
+        tokens, self._completion_tokens = self._completion_tokens, 0
+        wall, self._last_log_clock, self._steps_at_last_log = now - self._last_log_clock, now, self.state.global_step
+        if steps <= 0:
+            return {}
+        sync_s = sum(s for s, _ in pushes)
+        generation = max(0.0, phases.get("generation", 0.0) - sync_s)
+        rollout = phases.get("rollout", 0.0)
+        reward = phases.get("reward", 0.0)
+        out = {
+            "time/step": wall / steps,
+            "time/generation": generation / steps,
+            "time/weight_sync": sync_s / steps,
+            "time/reward": reward / steps,
+            "time/scoring": max(0.0, rollout - generation - sync_s - reward) / steps,
+            "time/optimisation": max(0.0, wall - rollout) / steps,
+            "rollout/completion_tokens": tokens / steps,
+        }
+        if generation > 0:
+            out["rollout/tokens_per_second"] = tokens / generation
+        return out
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        pushes = self.weight_sync.drain()
+        if "loss" in logs:  # a training log line (not the end-of-training summary)
+            logs.update(self._step_breakdown(pushes))
+            if pushes:
+                logs["sync/seconds"] = sum(s for s, _ in pushes) / len(pushes)
+                logs["sync/megabytes"] = sum(b for _, b in pushes) / len(pushes) / 1e6
+                logs["sync/count"] = float(len(pushes))
+        elif pushes:  # not a training log line: keep the pushes for the next one
+            self.weight_sync.records = pushes + self.weight_sync.records
+        super().log(logs, start_time)
+
+    def train(self, *args, **kwargs):
+        self._last_log_clock = time.perf_counter()  # model loading is not a training step
+        self._steps_at_last_log = self.state.global_step
+        return super().train(*args, **kwargs)
+
+
+def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: sync.WeightSync
+                  ) -> WorkbenchGRPOTrainer:
+    """A ready trainer for the recipe (the server must already answer at the recipe's URL)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    recipe = rr.recipe
+    args = grpo_config(rr, str(output_dir))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"
+    rows = dataset.recipe_rows(recipe, tokenizer=tokenizer)
+    dtype = "auto" if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    return WorkbenchGRPOTrainer(
+        model=model, args=args, processing_class=tokenizer, train_dataset=dataset.to_hf_dataset(rows),
+        reward_funcs=[rewards.get(name) for name in recipe.rewards],
+        weight_sync=weight_sync, headers=rr.headers)
