@@ -284,12 +284,13 @@ def triton_ascend(version: str, problems: list[str]) -> dict:
     if old.exists():
         return json.loads(old.read_text())
     return {"name": "triton-ascend", "version": version, "arch": "any", "kind": "wheel", "index": "huawei",
-            "requires_python": None, "requires_dist": [], "python_tags": ["cp39", "cp310", "cp311"],
+            "requires_python": None, "requires_dist": [],
             "source": f"hand-made: not on PyPI (PyPI has 3.2.0 and rcs, whose wheels declare no Requires-Dist and "
                       f"are cp39-cp311 only); upstream installs it with `pip install triton-ascend=={version} "
                       f"--extra-index-url {HUAWEI}` (vllm-ascend docs/source/installation.md)",
-            "note": "python_tags and the empty Requires-Dist are those of the PyPI releases (3.2.0, 3.2.0rc*) and "
-                    "of triton-ascend's docs (Python 3.9-3.11); 3.2.2 itself could not be read here"}
+            "note": "3.2.2 itself could not be read here: the empty Requires-Dist is that of the PyPI releases "
+                    "(3.2.0, 3.2.0rc*); their wheels are cp39-cp311, which 3.2.2's are is not known here "
+                    "(upstream's CANN 9 images are Python 3.12), so Python 3.11 is the safe target"}
 
 
 def record_handmade(problems: list[str]) -> dict[str, dict]:
@@ -312,7 +313,7 @@ def stub_wheel(directory: Path, rec: dict) -> Path:
     """A metadata-only wheel standing in for a distribution pip cannot fetch here."""
     dist = re.sub(r"[-_.]+", "_", rec["name"])
     info = f"{dist}-{rec['version']}.dist-info"
-    meta = [f"Metadata-Version: 2.1", f"Name: {rec['name']}", f"Version: {rec['version']}"]
+    meta = ["Metadata-Version: 2.1", f"Name: {rec['name']}", f"Version: {rec['version']}"]
     if rec.get("requires_python"):
         meta.append(f"Requires-Python: {rec['requires_python']}")
     meta += [f"Requires-Dist: {r}" for r in rec.get("requires_dist") or []]
@@ -327,6 +328,32 @@ def stub_wheel(directory: Path, rec: dict) -> Path:
 
 def core_requirements() -> list[str]:
     return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def trim_extras(install: list[dict], requirements: list[str]) -> list[dict]:
+    """Leave out Requires-Dist lines of extras that nobody in this resolve asks for (most of the bulk: vllm's, torch's,
+    transformers' optional groups). An extra counts as asked for if any requirement names it, marker or not."""
+    asked: dict[str, set[str]] = {}
+    for text in requirements + [r for rec in install for r in rec.get("requires_dist") or []]:
+        req = Requirement(text)
+        asked.setdefault(canonicalize_name(req.name), set()).update(req.extras)
+    extra = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
+    out = []
+    for rec in install:
+        keep = asked.get(rec["name"], set())
+        reqs = [r for r in rec.get("requires_dist") or []
+                if not extra.findall(r) or any(canonicalize_name(e) in {canonicalize_name(k) for k in keep}
+                                               for e in extra.findall(r))]
+        out.append({**rec, "requires_dist": reqs} if rec.get("requires_dist") is not None else rec)
+    return out
+
+
+def write_resolve(path: Path, header: dict, install: list[dict]) -> None:
+    lines = ["{"] + [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in header.items()] + [' "install": [']
+    lines += [f"  {json.dumps(rec, separators=(',', ':'))}," for rec in sorted(install, key=lambda r: r["name"])]
+    lines[-1] = lines[-1].rstrip(",")
+    lines += [" ]", "}"]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def record_resolve(route: str, arch: str, requirements: list[str], problems: list[str],
@@ -357,12 +384,9 @@ def record_resolve(route: str, arch: str, requirements: list[str], problems: lis
               "stubs": {n: f"{r['version']} ({r['index']})" for n, r in sorted(stubs.items())},
               "resolver": f"pip {report.get('pip_version')} --dry-run --ignore-installed"
                           + ("" if native else " --only-binary=:all: --platform manylinux*_" + arch),
-              "recorded": _dt.date.today().isoformat()}
-    lines = ["{"] + [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in header.items()] + [' "install": [']
-    lines += [f"  {json.dumps(rec, separators=(',', ':'))}," for rec in sorted(install, key=lambda r: r["name"])]
-    lines[-1] = lines[-1].rstrip(",")
-    lines += [" ]", "}"]
-    path.write_text("\n".join(lines) + "\n")
+              "recorded": _dt.date.today().isoformat(),
+              "trimmed": "Requires-Dist lines of extras that no requirement in this resolve asks for are left out"}
+    write_resolve(path, header, trim_extras(install, requirements))
     log(f"  resolve {route} {arch}: {len(install)} distributions -> {path.name}")
 
 

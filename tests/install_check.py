@@ -12,7 +12,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
@@ -95,10 +94,11 @@ def _contains(spec: SpecifierSet, version: str) -> bool:
     return spec.contains(Version(version), prereleases=True)
 
 
-def availability(dist: Dist, arch: str) -> list[str]:
-    """Why pip could not install this distribution on arch from where it is said to come from (empty: it can)."""
-    if dist.index in OUTSIDE_PYPI:
-        return []
+def availability(dist: Dist, arch: str, outside: set[str] = OUTSIDE_PYPI) -> list[str]:
+    """Why pip could not install this distribution on arch (empty: it can). outside: the sources other than PyPI that
+    the install route provides (a source build, Huawei's index, PyTorch's CPU index)."""
+    if dist.index != "pypi":
+        return [] if dist.index in outside else [f"{dist.label} is not on PyPI (from {dist.index})"]
     if dist.kind == "wheel":
         if dist.arch not in (arch, "any"):
             return [f"{dist.label} has no wheel for {arch} (recorded: {dist.arch})"]
@@ -112,11 +112,13 @@ def availability(dist: Dist, arch: str) -> list[str]:
 
 
 def check(pins: dict[str, Dist], arch: str, python: str = PYTHON,
-          requested: dict[str, set[str]] | None = None, closed: bool = False) -> list[str]:
+          requested: dict[str, set[str]] | None = None, closed: bool = False,
+          outside: set[str] = OUTSIDE_PYPI) -> list[str]:
     """Every conflict among the pinned distributions, as readable lines (empty: they agree).
 
     pins: {name: Dist}, one installed version per name. requested: extras asked for at the top
     (`{"fastapi": {"standard"}}`); extras asked for by a pinned distribution's own requirements are followed too.
+    outside: the non-PyPI sources the route provides (pass an empty set for "plain pip from PyPI").
     closed: the pins are a whole environment (a recorded full resolve), so a requirement on a name that is not pinned
     is a missing distribution. Otherwise requirements on unpinned names are only compared with each other where one
     of them is an exact `==` pin.
@@ -130,7 +132,7 @@ def check(pins: dict[str, Dist], arch: str, python: str = PYTHON,
         tags = dist.extra.get("python_tags")
         if tags and "cp" + python.replace(".", "") not in tags:
             conflicts.append(f"{dist.label} has wheels for {', '.join(tags)} only; target {python}")
-        conflicts += availability(dist, arch)
+        conflicts += availability(dist, arch, outside)
         if dist.requires_dist is None and not (dist.kind == "sdist" and not dist.builds):
             conflicts.append(f"{dist.label}: no recorded Requires-Dist")
 

@@ -39,7 +39,8 @@ def test_recipe_show_ascend_builds_grpo_config(workbench_cmd, clean_env):
 def test_recipe_list(workbench_cmd):
     out = run(workbench_cmd, "recipe", "list")
     assert out.returncode == 0
-    assert [line.split()[0] for line in out.stdout.strip().splitlines()] == ["ascend-910b-8card", "cpu-tiny", "smoke"]
+    names = [line.split()[0] for line in out.stdout.strip().splitlines()]
+    assert names == ["ascend-910b-2node", "ascend-910b-8card", "cpu-tiny", "smoke"]
 
 
 @pytest.mark.parametrize("args,pattern", [

@@ -88,6 +88,10 @@ def _as_gloo(text):
     return text
 
 
+class SourceFailed(RuntimeError):
+    pass
+
+
 HCCL = _classes(HCCL_FILE)
 GLOO = _classes(GLOO_FILE)
 DATACLASSES = ["HCCLWeightTransferInitInfo", "HCCLWeightTransferUpdateInfo", "HCCLTrainerSendWeightsArgs"]
@@ -122,6 +126,22 @@ def test_recorded_hccl_engine_is_vllm_ascend_0_23_0():
     assert "class HCCLWeightTransferEngine(" in text and "torch.npu" in text
 
 
+class Recording:
+    """A trainer side that takes the stream as a broadcast would, and keeps what it got."""
+
+    trainer_args: list[dict] = []
+    sent: list[tuple[str, torch.Tensor]] = []
+
+    @staticmethod
+    def trainer_init(init_info):
+        return "group"
+
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args):
+        Recording.trainer_args.append(dict(trainer_args))
+        Recording.sent += [(name, tensor.clone()) for name, tensor in iterator]
+
+
 def test_the_keys_hccl_sync_sends_are_fields_of_the_recorded_engine():
     from test_sync import FakeHcclEngine, RecordingClient
 
@@ -135,19 +155,7 @@ def test_the_keys_hccl_sync_sends_are_fields_of_the_recorded_engine():
     assert FakeHcclEngine.UPDATE_FIELDS == names("HCCLWeightTransferUpdateInfo")
     assert FakeHcclEngine.SEND_FIELDS == names("HCCLTrainerSendWeightsArgs")
 
-    class Recording:
-        trainer_args: list[dict] = []
-
-        @staticmethod
-        def trainer_init(init_info):
-            return "group"
-
-        @staticmethod
-        def trainer_send_weights(iterator, trainer_args):
-            Recording.trainer_args.append(dict(trainer_args))
-            for _ in iterator:
-                pass
-
+    Recording.trainer_args, Recording.sent = [], []
     adapter = sync.HcclSync(group_port=51216, engine=Recording, master_address="10.0.0.1")
     client = RecordingClient()
     adapter.connect(client, torch.device("cpu"))
@@ -163,6 +171,70 @@ def test_the_keys_hccl_sync_sends_are_fields_of_the_recorded_engine():
     # and the stand-in, built as the server builds it, parses them
     gloo_engine.GlooWeightTransferInitInfo(**sent["init_weight_transfer_engine"]["init_info"])
     gloo_engine.GlooWeightTransferUpdateInfo(**sent["update_weights"]["update_info"])
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.norm = torch.nn.LayerNorm(3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _hccl_push(client, source, model, aliases):
+    from workbench.serving import sync
+
+    Recording.trainer_args, Recording.sent = [], []
+    adapter = sync.HcclSync(engine=Recording, master_address="10.0.0.1", aliases=aliases)
+    adapter.connect(client, torch.device("cpu"))
+    client.posts.clear()
+    adapter.push(client, _metadata(model), source)
+    return adapter
+
+
+def test_hccl_sync_sends_tied_aliases_after_their_source():
+    from test_sync import RecordingClient
+
+    from workbench.serving import sync
+
+    model = Tied()
+    aliases = sync.tied_aliases(model)
+    assert aliases == {"head.weight": "embed.weight"}
+    client = RecordingClient()
+    adapter = _hccl_push(client, iter(model.named_parameters()), model, aliases)
+    names = dict(client.posts)["update_weights"]["update_info"]["names"]
+    assert names == ["embed.weight", "head.weight", "norm.weight", "norm.bias"]
+    assert [n for n, _ in Recording.sent] == names and torch.equal(Recording.sent[1][1], model.embed.weight)
+    assert adapter.records[-1][1] == 4 * (15 + 15 + 3 + 3)
+    assert [name for name, _ in client.posts] == ["start_weight_update", "update_weights", "finish_weight_update"]
+
+
+def test_hccl_sync_completes_the_announced_stream_when_the_source_fails():
+    """What the server's workers wait for arrives (zeros), the update is closed, the source's error surfaces."""
+    from test_sync import RecordingClient
+
+    from workbench.errors import WorkbenchError
+
+    model, client = Tied(), RecordingClient()
+
+    def failing():
+        yield "embed.weight", model.embed.weight
+        raise SourceFailed("gather failed")
+
+    with pytest.raises(SourceFailed):
+        _hccl_push(client, failing(), model, {"head.weight": "embed.weight"})
+    assert [name for name, _ in client.posts] == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert [n for n, _ in Recording.sent] == ["embed.weight", "head.weight", "norm.weight", "norm.bias"]
+    assert not Recording.sent[2][1].any() and not Recording.sent[3][1].any()
+
+    def astray():  # yields what was not announced
+        yield "norm.weight", model.norm.weight
+
+    with pytest.raises(WorkbenchError, match="yielded 'norm.weight'.*where 'embed.weight'"):
+        _hccl_push(client, astray(), model, {})
+    assert [n for n, _ in Recording.sent] == ["embed.weight", "norm.weight", "norm.bias"]
+    assert all(not t.any() for _, t in Recording.sent)
 
 
 def test_gloo_stand_in_moves_tensors_between_two_processes(tmp_path):
@@ -452,10 +524,6 @@ def test_hccl_sync_puts_the_trainers_weights_on_the_server(server, hccl, tiny_mo
     assert hccl["adapter"].aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     # float32: every parameter once, plus the tied lm_head sent under its own name
     assert moved_bytes == 4 * (sum(p.numel() for p in trained.parameters()) + trained.lm_head.weight.numel())
-
-
-class SourceFailed(RuntimeError):
-    pass
 
 
 def test_a_failed_push_leaves_the_server_able_to_take_the_next(server, hccl, tiny_model_dir):

@@ -22,12 +22,13 @@ from workbench.rundir import RunDir
 WORKBENCH = [str(VENV_BIN / "workbench")] if (VENV_BIN / "workbench").exists() else [sys.executable, "-m", "workbench"]
 
 
-def _server_processes() -> set[int]:
-    """API-server processes of the CPU launcher (its engine core children excluded)."""
+def _server_processes(port: int) -> set[int]:
+    """API-server processes of the CPU launcher serving on `port` (other tests' servers and the engine core
+    children excluded)."""
     found = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "workbench.serving.vllm_cpu" in cmd and "serve" in cmd:
+        if "workbench.serving.vllm_cpu" in cmd and "serve" in cmd and str(port) in cmd:
             found.add(p.info["pid"])
     return found
 
@@ -37,13 +38,13 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
     """`workbench train --recipe smoke distributed.processes=2`: one server, two gloo ranks on the CPU."""
     runs = tmp_path_factory.mktemp("two-rank")
     port = free_port()
-    before = _server_processes()
+    before = _server_processes(port)
     seen: set[int] = set()
     done = threading.Event()
 
     def watch() -> None:  # every server process that appears while the run lasts
         while not done.is_set():
-            seen.update(_server_processes() - before)
+            seen.update(_server_processes(port) - before)
             time.sleep(0.5)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -195,7 +196,7 @@ def test_remote_reload_needs_a_shared_directory():
     with pytest.raises(WorkbenchError, match="one both machines see"):
         recipe.resolve(recipe.load("cpu-tiny", ["server.mode=attach", "server.url=http://10.9.9.9:8000"]))
     rr = recipe.resolve(recipe.load("cpu-tiny", ["server.mode=attach", "server.url=http://10.9.9.9:8000",
-                                                 "server.sync_dir=/mnt/shared/sync"]))
+                                                 "server.sync_dir=/mnt/nfs/sync"]))
     assert rr.weight_sync == "reload"
 
 

@@ -49,7 +49,8 @@ def _fake_host(tmp_path, npu_smi_file="info-910b2c-narrow.txt", cann="9.1.0", lo
 
 def _ascend_check(environ, versions, **overrides):
     r = recipe.load("ascend-910b-8card", {"devices.server": [0], "devices.trainer": [1],
-                                          "server.tensor_parallel_size": 1, **overrides})
+                                          "server.tensor_parallel_size": 1, "distributed.processes": 1,
+                                          **overrides})
     return env.check(recipe.resolve(r, platform="npu"), collective=False, platform="npu", environ=environ,
                      versions=versions, runner=env._run, devices=["910B2C", "910B2C"])
 
@@ -62,7 +63,10 @@ def test_fake_ascend_host_that_is_right(tmp_path):
     assert smi.status == "pass" and smi.found.startswith("2 NPU(s), 2 chip(s): 910B2C") and "0.0=5%" in smi.found
     assert report.find("CANN loaded").status == "pass"
     assert report.find("HCCL_CONNECT_TIMEOUT").status == "pass"
-    assert report.find("HCCL_SOCKET_IFNAME").status == "warn"
+    # the interface variables matter between nodes: not asked for on one host, a warning when unset on two
+    assert "HCCL_SOCKET_IFNAME" not in {c.name for c in report.checks}
+    multi = _ascend_check(_fake_host(tmp_path / "multi"), GOOD_ROW, **{"distributed.nodes": 2})
+    assert multi.find("HCCL_SOCKET_IFNAME").status == "warn"
 
 
 def test_mismatched_versions_name_the_row_and_each_change(tmp_path):
@@ -128,7 +132,7 @@ def test_collective_hang_becomes_a_clear_timeout():
     report = env.Report()
     env.run_collective(report, "cpu", 2, timeout=0.5)
     (c,) = report.checks
-    assert c.status == "fail" and re.search(r"did not finish an all-reduce within \d+s \(a hang\)", c.found)
+    assert c.status == "fail" and re.search(r"did not finish an all-reduce within \d+s \(a hang; all ended\)", c.found)
     assert "SOCKET_IFNAME" in c.fix
 
 

@@ -119,7 +119,12 @@ def test_offline_generation_notebook(tmp_path, tiny_model_dir):
     outputs = outputs_of(out)
     assert "| question | completion | gold | correct |" in text_of(outputs, "text/markdown")
     saved = json.loads((tmp_path / "run" / "offline" / "offline.json").read_text())
-    assert saved["prompts"] == 6 and saved["format_rate"] >= 0.5 and saved["tokens_per_second"] > 0
+    assert len(saved["rows"]) == 6 and saved["format_rate"] >= 0.5 and saved["tokens_per_second"] > 0
+    from workbench.rundir import RunDir
+    from workbench.serving.offline import OfflineResult
+
+    again = OfflineResult.load(RunDir(tmp_path / "run").offline)  # the report reads it back the same way
+    assert len(again.rows) == 6 and again.format_rate == saved["format_rate"] and again.completion_tokens > 0
     assert all("<answer>" in r["completion"] for r in saved["rows"] if r["format"] > 0)
 
 

@@ -17,6 +17,7 @@ import requests
 from conftest import free_port
 from workbench import recipe
 from workbench.errors import WorkbenchError
+from workbench.platform import compat
 from workbench.serving import launch
 from workbench.serving.server import VLLMServer, group_members
 
@@ -159,7 +160,9 @@ def test_launch_command_per_platform(tmp_path):
     flags = dict(zip(cmd[3::2], cmd[4::2]))
     assert flags["--served-model-name"] == "policy-7b" and flags["--tensor-parallel-size"] == "4"
     assert flags["--max-model-len"] == "1024" and flags["--max-num-batched-tokens"] == "2048"
-    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "hccl"}
+    # the HCCL engine, under the name vllm-ascend maps onto it (the compatibility matrix's hccl_backend_name)
+    assert npu.weight_sync == "hccl"
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": compat.hccl_backend_name()}
     env = launch.environment(npu)
     assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3" and env["HCCL_CONNECT_TIMEOUT"] == "1800"
     assert env["VLLM_SERVER_DEV_MODE"] == "1"

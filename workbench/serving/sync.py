@@ -8,8 +8,9 @@ the initial policy. Four adapters, chosen by `server.weight_sync` (`auto`: nccl 
 elsewhere):
 
     nccl    TRL's own path: vLLM's NCCL weight-transfer engine (CUDA).
-    hccl    vllm-ascend's HCCL weight-transfer engine, the same flow over HCCL (Ascend). Cannot run here: it is
-            tested against a fake engine that records calls (tests/test_sync.py).
+    hccl    vllm-ascend's HCCL weight-transfer engine, the same flow over HCCL (Ascend). HCCL cannot run here:
+            tests/test_sync.py records the engine calls, tests/test_contract.py runs the whole flow against real
+            vLLM 0.23.0 / 0.32.0 servers with a gloo engine of the same interface.
     reload  device-independent: the parameters are written atomically as one safetensors file to a directory on a
             RAM disk, the server reloads them (`POST /collective_rpc reload_weights`), then the prefix cache is
             reset. Works on the CPU; the fallback everywhere the server can read the trainer's files.
@@ -24,9 +25,10 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -247,14 +249,12 @@ class HcclSync(WeightSync):
         counted = _Counted(source)
         client._post(f"{client.base_url}/start_weight_update", json={"is_checkpoint_format": True})
         # The workers block in the receive while they handle /update_weights: it runs beside the broadcast.
-        pool = ThreadPoolExecutor(max_workers=1)
-        answer = pool.submit(client._post, f"{client.base_url}/update_weights", json={"update_info": update_info})
+        answer = _in_background(client._post, f"{client.base_url}/update_weights", json={"update_info": update_info})
         try:
             engine.trainer_send_weights(iter(counted), {"group": self.group, "packed": True})
         except Exception as exc:
             # The collective itself failed (a failing source cannot get here): the workers may still wait in it,
             # and /update_weights' answer and /finish_weight_update would wait behind them.
-            pool.shutdown(wait=False)
             raise WorkbenchError(f"the weight broadcast to {client.base_url} failed ({exc})",
                                  "the transfer group is unusable: restart the server and the training") from exc
         try:
@@ -262,8 +262,6 @@ class HcclSync(WeightSync):
         except Exception:
             self._finish(client, quiet=True)  # the worker has dropped the update: keep the server's own error
             raise
-        finally:
-            pool.shutdown(wait=False)
         # Always close the update: a worker left "update active" refuses every later /start_weight_update.
         self._finish(client, quiet=source.error is not None)
         if source.error is not None:
@@ -281,6 +279,22 @@ class HcclSync(WeightSync):
 
     def close(self, client) -> None:
         self.group = None
+
+
+def _in_background(fn, *args, **kwargs) -> Future:
+    """`fn(*args, **kwargs)` on a daemon thread: a request that never returns (workers stuck in a failed collective)
+    must not keep the trainer from exiting, as a ThreadPoolExecutor's thread would."""
+    future: Future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name="workbench-weight-update", daemon=True).start()
+    return future
 
 
 def with_aliases(metadata: Metadata, named_params: NamedParams, aliases: dict[str, str]
