@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 def _pins(requirements):
     pins = {}
     for text in requirements:
-        if text.startswith("-e"):
+        if text.startswith("-"):  # pip options: -e ., --extra-index-url (not requirements)
             continue
         req = Requirement(text)
         (spec,) = list(req.specifier) if len(req.specifier) == 1 else (None,)

@@ -116,8 +116,14 @@ def test_missing_recipe_lists_available():
 
 
 def test_overlapping_accelerator_devices_are_refused():
-    with pytest.raises(WorkbenchError, match=r"devices \[3\] are given to both"):
-        recipe.load("ascend-910b-8card", ["devices.trainer=[3,4,5,6]"])
+    from workbench.training.train import check_device_split
+
+    # the recipe loads (the server node of a two-node run may serve with it); starting both on one node is refused
+    overlapping = recipe.load("ascend-910b-8card", ["devices.trainer=[3,4,5,6]"])
+    with pytest.raises(WorkbenchError, match=r"devices \[3\] are given to both") as info:
+        check_device_split(recipe.resolve(overlapping))
+    assert "\n" not in str(info.value) and "fix:" in str(info.value)
+    check_device_split(recipe.resolve(recipe.load("ascend-910b-8card")))  # the shipped split is disjoint
     with pytest.raises(WorkbenchError, match="multiply to the number of server devices"):
         recipe.load("ascend-910b-8card", ["server.tensor_parallel_size=2"])
 
