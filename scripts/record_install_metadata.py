@@ -46,23 +46,10 @@ PYTORCH_CPU = "https://download.pytorch.org/whl/cpu"
 HUAWEI = "https://mirrors.huaweicloud.com/ascend/repos/pypi"
 
 # The Ascend route proposed for pyproject's `ascend` extra (tests/test_install_pins.py PROPOSED_ASCEND is the same list).
-ASCEND_EXTRA = [
-    "torch==2.10.0",
-    "torch-npu==2.10.0.post4",
-    "torchvision==0.25.0",
-    "torchaudio==2.10.0",
-    "transformers==5.5.4",
-    "triton-ascend==3.2.2",
-    "vllm==0.23.0",
-    "vllm-ascend==0.23.0",
-]
-# What the route's steps outside pip's default index install, per architecture: {name: version}.
-ROUTE_STEPS = {
-    "x86_64": {"torch": "2.10.0+cpu", "torchvision": "0.25.0+cpu", "torchaudio": "2.10.0+cpu",
-               "triton-ascend": "3.2.2", "vllm": "0.23.0+empty"},
-    "aarch64": {"triton-ascend": "3.2.2", "vllm": "0.23.0+empty"},
-}
-# The cuda extra's vLLM window, `vllm>=0.22.0,<0.32`: its lowest and highest release on PyPI.
+sys.path.insert(0, str(REPO / "tests"))
+from install_check import ROUTE_STEPS, pyproject_extra  # noqa: E402  (the test's own route, one definition)
+
+ASCEND_EXTRA = pyproject_extra("ascend")
 CUDA_ENDS = ["0.22.0", "0.31.0"]
 
 # Single distributions: (name, version, arches). Today's (old) ascend extra, the new route, TRL, the cuda window ends.

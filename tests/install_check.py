@@ -22,6 +22,22 @@ PYTHON = "3.11"
 ARCHES = ("x86_64", "aarch64")
 # Where a distribution comes from. Everything but "pypi" is a step outside pip's default index that the README states.
 OUTSIDE_PYPI = {"source", "huawei", "pytorch-cpu"}
+# The Ascend route's steps outside pip's default index and what they leave installed (README "Ascend install"):
+# x86_64: PyTorch's CPU index (torch-npu's x86_64 wheels require torch==2.10.0+cpu); both: triton-ascend from Huawei's
+# index; vLLM from a v0.23.0 checkout with VLLM_TARGET_DEVICE=empty (no torch pin of its own, version 0.23.0+empty).
+ROUTE_STEPS = {
+    "x86_64": {"torch": "2.10.0+cpu", "torchvision": "0.25.0+cpu", "torchaudio": "2.10.0+cpu",
+               "triton-ascend": "3.2.2", "vllm": "0.23.0+empty"},
+    "aarch64": {"triton-ascend": "3.2.2", "vllm": "0.23.0+empty"},
+}
+
+
+def pyproject_extra(name: str) -> list[str]:
+    """A pyproject.toml extra of this repository, as requirement strings."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    return list(project["optional-dependencies"][name])
 
 
 @dataclass

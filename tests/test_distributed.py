@@ -74,6 +74,14 @@ def test_two_ranks_train_through_one_server(two_rank_run):
     assert "2 process(es) on this node through accelerate" in output
     config = yaml.safe_load(run.train.accelerate_config.read_text())
     assert config["num_processes"] == 2 and config["use_cpu"] is True
+    # each rank's device reaches the dashboard's summary and the report
+    from workbench.observe import report
+    from workbench.observe.rundata import load
+    from workbench.observe.views import summary_rows
+
+    rows = dict(summary_rows(load(run.train)))
+    assert rows["trainer rank 0"].startswith("cpu:0, cores [1]") and "trainer rank 1" in rows
+    assert "trainer rank 1" in report.build(run).read_text()
 
 
 def test_two_ranks_write_each_record_once_and_stay_in_sync(two_rank_run):

@@ -18,26 +18,10 @@ from conftest import REPO
 
 # Today's `ascend` extra: the "before" case; it must be caught.
 OLD_ASCEND = ["torch==2.10.0", "torch-npu==2.10.0.post4", "vllm==0.23.0", "vllm-ascend==0.23.0.post1"]
-# The proposed `ascend` extra (one row of compat.yaml with the HCCL engine: vllm-ascend 0.23.0). pip installs it only
-# after the ROUTE_STEPS below; scripts/record_install_metadata.py ASCEND_EXTRA is the same list.
-PROPOSED_ASCEND = [
-    "torch==2.10.0",
-    "torch-npu==2.10.0.post4",
-    "torchvision==0.25.0",
-    "torchaudio==2.10.0",
-    "transformers==5.5.4",
-    "triton-ascend==3.2.2",
-    "vllm==0.23.0",
-    "vllm-ascend==0.23.0",
-]
-# The route's steps outside pip's default index, and what they leave installed (README "Ascend install"):
-# x86_64: PyTorch's CPU index (torch-npu's x86_64 wheels require torch==2.10.0+cpu); both: triton-ascend from Huawei's
-# index; vLLM from a v0.23.0 checkout with VLLM_TARGET_DEVICE=empty (no torch pin of its own, version 0.23.0+empty).
-ROUTE_STEPS = {
-    "x86_64": {"torch": "2.10.0+cpu", "torchvision": "0.25.0+cpu", "torchaudio": "2.10.0+cpu",
-               "triton-ascend": "3.2.2", "vllm": "0.23.0+empty"},
-    "aarch64": {"triton-ascend": "3.2.2", "vllm": "0.23.0+empty"},
-}
+# The `ascend` extra (one row of compat.yaml with the HCCL engine: vllm-ascend 0.23.0); pip installs it only after
+# the route's steps outside PyPI (install_check.ROUTE_STEPS).
+PROPOSED_ASCEND = ic.pyproject_extra("ascend")
+ROUTE_STEPS = ic.ROUTE_STEPS
 NO_STEPS = {"x86_64": {}, "aarch64": {}}
 CUDA_ENDS = ("0.22.0", "0.31.0")   # lowest and highest vLLM on PyPI inside the cuda extra's `vllm>=0.22.0,<0.32`
 
@@ -268,7 +252,6 @@ def test_recording_script_records_this_route():
                                                   REPO / "scripts" / "record_install_metadata.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.ASCEND_EXTRA == PROPOSED_ASCEND
-    assert script.ROUTE_STEPS == ROUTE_STEPS
+    assert script.ASCEND_EXTRA == PROPOSED_ASCEND  # both read pyproject's extra
     assert tuple(script.CUDA_ENDS) == CUDA_ENDS
     assert script.OUT == ic.FIXTURES and script.PYTHON == ic.PYTHON

@@ -60,6 +60,14 @@ class RunData:
     def train_summary(self) -> dict | None:
         return self._json(self.dir.summary)
 
+    def ranks(self) -> list[dict]:
+        """Each trainer rank's process and device (ranks.json, written by the main rank at start)."""
+        try:
+            ranks = json.loads(self.dir.ranks.read_text()) if self.dir.ranks.exists() else []
+        except json.JSONDecodeError:
+            return []
+        return ranks if isinstance(ranks, list) else []
+
     @property
     def finished(self) -> bool:
         return self.dir.summary.exists()

@@ -50,6 +50,9 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
                                         f"({monitor['core_share']:.2%} of a core)"))
     if summary.get("stopped_early_at") is not None:
         out.append(("stopped early", f"at step {summary['stopped_early_at']} (STOP)"))
+    for rank in data.ranks():
+        cores = f", cores {rank['cores']}" if str(rank.get("device", "")).startswith("cpu") else ""
+        out.append((f"trainer rank {rank['rank']}", f"{rank['device']}{cores}, pid {rank['pid']}"))
     return out
 
 

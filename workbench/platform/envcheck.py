@@ -13,7 +13,6 @@ the tests feed it fake Ascend hosts: a fake `npu-smi` on PATH, fake CANN version
 from __future__ import annotations
 
 import html
-import importlib.metadata as metadata
 import json
 import os
 import re
@@ -115,16 +114,7 @@ class Report:
 
 def installed_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": ".".join(map(str, sys.version_info[:3]))}
-    for key, dists in PACKAGES.items():
-        if key == "python":
-            continue
-        out[key] = None
-        for dist in dists:
-            try:
-                out[key] = metadata.version(dist)
-                break
-            except metadata.PackageNotFoundError:
-                continue
+    out.update({key: compat.dist_version(*dists) for key, dists in PACKAGES.items() if key != "python"})
     return out
 
 
