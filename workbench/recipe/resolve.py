@@ -12,12 +12,14 @@ variable `server.api_key_env` names and kept out of `repr` and `describe()`.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
-from workbench.recipe.schema import Recipe
+from workbench.recipe.schema import TINY_BUILD_VERSION, Recipe, TinyModelConfig
 
 VISIBLE_DEVICES = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
 
@@ -121,11 +123,27 @@ def weight_sync(recipe: Recipe, platform: str, versions: dict | None = None) -> 
     return method
 
 
+def settings_key(tiny: TinyModelConfig, data_seed: int, heldout_size: int) -> str:
+    """The tiny model's cache key: its settings, the data split it is scored on and the build version."""
+    settings = asdict(tiny)
+    if settings.get("lr_schedule") == "cosine":
+        del settings["lr_schedule"]  # the default before the option existed: keeps earlier caches valid
+    payload = json.dumps({"tiny": settings, "data_seed": data_seed, "heldout_size": heldout_size,
+                          "build": TINY_BUILD_VERSION}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def model_dir(recipe: Recipe, root: Path | None = None) -> Path:
+    """Where the tiny model for this recipe lives, built or not (under workbench.paths.data_dir())."""
+    from workbench import paths
+
+    key = settings_key(recipe.model.tiny, recipe.data.seed, recipe.data.heldout_size)
+    return Path(root or paths.data_dir() / "tiny-model") / key
+
+
 def model_path(recipe: Recipe) -> str:
     """The directory or hub id the recipe's model lives at (the tiny model's cache directory when 'tiny')."""
     if recipe.model.path == "tiny":
-        from workbench.tasks.tinymodel import model_dir
-
         return str(model_dir(recipe))
     path = Path(recipe.model.path).expanduser()
     if path.exists():

@@ -16,6 +16,10 @@ SECTIONS = ("model", "data", "server", "trainer", "rewards", "devices", "distrib
 
 
 
+# Bump when the tiny model's build changes in a way its settings do not show, so stale caches are not reused.
+TINY_BUILD_VERSION = 2
+
+
 @dataclass
 class TinyModelConfig:
     """Size and pre-training of the model `workbench tiny-model` builds (used when model.path is 'tiny')."""

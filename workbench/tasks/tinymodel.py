@@ -16,7 +16,6 @@ data/tiny-model/<settings-hash>/ (see workbench.paths) and reused when the setti
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -26,13 +25,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from workbench import paths
-from workbench.tasks import arithmetic
 from workbench.errors import WorkbenchError
-from workbench.recipe.schema import Recipe, TinyModelConfig
+from workbench.recipe.resolve import model_dir  # where a tiny model lives is part of the resolution
+from workbench.recipe.schema import TINY_BUILD_VERSION, Recipe, TinyModelConfig
+from workbench.tasks import arithmetic
 
-# Bump when the build changes in a way the settings do not show, so stale caches are not reused.
-BUILD_VERSION = 2
+BUILD_VERSION = TINY_BUILD_VERSION
 INFO_FILE = "tiny_model.json"
 
 CHAT_TEMPLATE = (
@@ -42,21 +40,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
-
-
-def settings_key(tiny: TinyModelConfig, data_seed: int, heldout_size: int) -> str:
-    settings = asdict(tiny)
-    if settings.get("lr_schedule") == "cosine":
-        del settings["lr_schedule"]  # the default before the option existed: keeps earlier caches valid
-    payload = json.dumps({"tiny": settings, "data_seed": data_seed, "heldout_size": heldout_size,
-                          "build": BUILD_VERSION}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:12]
-
-
-def model_dir(recipe: Recipe, root: Path | None = None) -> Path:
-    """Where the tiny model for this recipe lives (built or not)."""
-    key = settings_key(recipe.model.tiny, recipe.data.seed, recipe.data.heldout_size)
-    return Path(root or paths.data_dir() / "tiny-model") / key
 
 
 def _chat_text(row: dict) -> str:
