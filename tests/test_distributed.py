@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -39,6 +40,7 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
     runs = tmp_path_factory.mktemp("two-rank")
     port = free_port()
     before = _server_processes(port)
+    sync_dirs = set(Path("/dev/shm").glob("workbench-sync-*"))
     seen: set[int] = set()
     done = threading.Event()
 
@@ -58,6 +60,8 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
         done.set()
         watcher.join()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # the reload adapter's copy of the weights in RAM went with the run
+    assert set(Path("/dev/shm").glob("workbench-sync-*")) <= sync_dirs
     (run_dir,) = runs.iterdir()
     return RunDir(run_dir), seen, out.stdout + out.stderr
 

@@ -1,6 +1,7 @@
 """Weight sync, for real on the CPU (reload, none) and against a recording fake of vllm-ascend's engine (hccl)."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +198,39 @@ def test_training_pins_to_trainer_cores_and_gives_them_back():
     with _pinned_to_trainer_cores(rr):
         assert os.sched_getaffinity(0) == set(rr.trainer.devices) and torch.get_num_threads() == 1
     assert os.sched_getaffinity(0) == before  # a later stage (the eval server) may use the server's cores again
+
+
+def test_reload_directory_is_made_on_use_and_removed(tmp_path):
+    """The adapter's RAM-disk copy of the weights never outlives it: made on first use (named by its process),
+    removed by close(); a killed process's directory is removed by the next adapter; a given sync_dir keeps every
+    file the workbench did not write."""
+    import os
+    import subprocess
+    import sys
+
+    adapter = sync.ReloadSync()
+    assert adapter._own is None  # nothing made before use (ranks that never push make nothing)
+    own = adapter.directory
+    assert own.is_dir() and own.name.startswith(f"{sync.SYNC_PREFIX}{os.getpid()}-")
+    (own / sync.ReloadSync.FILE).write_bytes(b"weights")
+    adapter.close()
+    assert not own.exists()
+
+    # a process that made its directory and was SIGKILLed: the next start removes what it left
+    child = subprocess.run([sys.executable, "-c", "import os, signal\nfrom workbench.serving import sync\n"
+                            "adapter = sync.ReloadSync()\nprint(adapter.directory, flush=True)\n"
+                            "os.kill(os.getpid(), signal.SIGKILL)"],
+                           capture_output=True, text=True, timeout=120)
+    left = Path(child.stdout.strip())
+    assert left.is_dir()
+    fresh = sync.ReloadSync()
+    assert fresh.directory.is_dir() and not left.exists()
+    fresh.close()
+
+    given = tmp_path / "shared-sync"
+    given.mkdir()
+    (given / "notes.txt").write_text("keep me")
+    mine = sync.ReloadSync(given)
+    (mine.directory / sync.ReloadSync.FILE).write_bytes(b"weights")
+    mine.close()
+    assert sorted(p.name for p in given.iterdir()) == ["notes.txt"]

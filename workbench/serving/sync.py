@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -116,6 +118,31 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
             if canonical[id(param)] != name}
 
 
+SYNC_PREFIX = "workbench-sync-"
+
+
+def remove_stale_sync_dirs(base: Path) -> list[Path]:
+    """Remove the RAM-disk weight directories of workbench processes that no longer run (a killed run's)."""
+    removed = []
+    for path in base.glob(f"{SYNC_PREFIX}*"):
+        pid = path.name[len(SYNC_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue  # a name of another form, or a live process's own directory
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class ReloadSync(WeightSync):
     """Safetensors on a RAM disk + `reload_weights` over /collective_rpc: no collective communication at all.
 
@@ -130,9 +157,25 @@ class ReloadSync(WeightSync):
     def __init__(self, directory: str | Path | None = None, aliases: dict[str, str] | None = None) -> None:
         super().__init__()
         self.aliases = dict(aliases or {})
-        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        self.directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="workbench-sync-", dir=base))
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.given = Path(directory) if directory else None
+        self._own: Path | None = None  # the RAM-disk directory this adapter made (and removes)
+        self._cleanup = None
+
+    @property
+    def directory(self) -> Path:
+        """Where the weights go: the given sync_dir, or a directory of this process on the RAM disk, made on first
+        use (only the rank that pushes makes one: the others never write)."""
+        if self.given is not None:
+            self.given.mkdir(parents=True, exist_ok=True)
+            return self.given
+        if self._own is None:
+            base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+            remove_stale_sync_dirs(base)
+            self._own = Path(tempfile.mkdtemp(prefix=f"{SYNC_PREFIX}{os.getpid()}-", dir=base))
+            # a full copy of the weights in RAM must not outlive the process, whatever ends it short of SIGKILL
+            # (a SIGKILLed run's directory is removed by the next start, see remove_stale_sync_dirs)
+            self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._own), True)
+        return self._own
 
     def connect(self, client, device) -> None:
         # vLLM loads every *.safetensors in the directory: a stale file from another run would be loaded too.
@@ -158,9 +201,13 @@ class ReloadSync(WeightSync):
             raise WorkbenchError(f"reload_weights answered {result!r}", "check the server log for the reload error")
         return moved
 
-    def close(self, client) -> None:
-        for leftover in self.directory.glob(self.FILE + "*"):
-            leftover.unlink(missing_ok=True)
+    def close(self, client=None) -> None:
+        if self._cleanup is not None:  # our own directory: gone with everything in it
+            self._cleanup()
+            self._own, self._cleanup = None, None
+        elif self.given is not None:  # the user's directory: only what we wrote
+            for leftover in self.given.glob(self.FILE + "*"):
+                leftover.unlink(missing_ok=True)
 
 
 class NcclSync(WeightSync):

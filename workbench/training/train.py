@@ -103,38 +103,48 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
     several = rr.trainer_processes > 1 or rr.recipe.distributed.nodes > 1
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if several else None
     weight_sync = sync.make(rr)
-    with _pinned_to_trainer_cores(rr, local_rank):
-        trainer = build_trainer(rr, model_path, train_dir.checkpoints, weight_sync)
-        accelerator = trainer.accelerator
-        main = accelerator.is_main_process
-        ranks = accelerator.gather_for_metrics([_rank_record(rr, accelerator)], use_gather_object=True)
-        if main:
-            write_atomic(train_dir.ranks, json.dumps(ranks, indent=2))
-        trainer.add_callback(JsonlMetrics(train_dir.metrics))
-        stop_flag = StopFlag(train_dir, log=log)
-        trainer.add_callback(stop_flag)
-        if main:
-            log(f"training: {trainer.args.max_steps} steps on {accelerator.num_processes} process(es), weight sync "
-                f"{rr.weight_sync!r}, metrics -> {train_dir.metrics}")
-        # started inside the pinned block: the sampler thread shares the trainer's cores, so its cost shows in the
-        # step time it is measured against; one sampler per run (main rank). Under accelerate the ranks are
-        # children of its launcher: that process tree is the trainer role.
-        sampler = Monitor(rr, train_dir, server_pid=server_pid, server_url=server_url or rr.server_url,
-                          trainer_pid=os.getppid() if several else os.getpid(), enabled=main)
-        started = time.time()
-        with sampler:
-            trainer.train()
-        train_seconds = time.time() - started
-    trainer.save_model(str(train_dir.final))  # every rank: sharded weights are gathered collectively
-    if not main:
-        return None
-    trainer.processing_class.save_pretrained(str(train_dir.final))
-    summary = TrainSummary(steps=trainer.state.global_step, train_seconds=round(train_seconds, 2),
-                           server_start_seconds=None, weight_sync=rr.weight_sync, platform=rr.platform,
-                           final_model=str(train_dir.final), stopped_early_at=stop_flag.stopped_at,
-                           monitor=sampler.overhead(), processes=accelerator.num_processes)
-    summary.save(train_dir)
-    return summary
+    trainer = None
+    try:
+        with _pinned_to_trainer_cores(rr, local_rank):
+            trainer = build_trainer(rr, model_path, train_dir.checkpoints, weight_sync)
+            accelerator = trainer.accelerator
+            main = accelerator.is_main_process
+            ranks = accelerator.gather_for_metrics([_rank_record(rr, accelerator)], use_gather_object=True)
+            if main:
+                write_atomic(train_dir.ranks, json.dumps(ranks, indent=2))
+            trainer.add_callback(JsonlMetrics(train_dir.metrics))
+            stop_flag = StopFlag(train_dir, log=log)
+            trainer.add_callback(stop_flag)
+            if main:
+                log(f"training: {trainer.args.max_steps} steps on {accelerator.num_processes} process(es), weight sync "
+                    f"{rr.weight_sync!r}, metrics -> {train_dir.metrics}")
+            # started inside the pinned block: the sampler thread shares the trainer's cores, so its cost shows in the
+            # step time it is measured against; one sampler per run (main rank). Under accelerate the ranks are
+            # children of its launcher: that process tree is the trainer role.
+            sampler = Monitor(rr, train_dir, server_pid=server_pid, server_url=server_url or rr.server_url,
+                              trainer_pid=os.getppid() if several else os.getpid(), enabled=main)
+            started = time.time()
+            with sampler:
+                trainer.train()
+            train_seconds = time.time() - started
+        trainer.save_model(str(train_dir.final))  # every rank: sharded weights are gathered collectively
+        if not main:
+            return None
+        trainer.processing_class.save_pretrained(str(train_dir.final))
+        summary = TrainSummary(steps=trainer.state.global_step, train_seconds=round(train_seconds, 2),
+                               server_start_seconds=None, weight_sync=rr.weight_sync, platform=rr.platform,
+                               final_model=str(train_dir.final), stopped_early_at=stop_flag.stopped_at,
+                               monitor=sampler.overhead(), processes=accelerator.num_processes)
+        summary.save(train_dir)
+        return summary
+    finally:
+        # TRL closes its communicator at exit; the workbench's client must too: the reload adapter's weights copy in
+        # RAM goes with it, also when training fails
+        client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)
+        if client is not None:
+            client.close_communicator()
+        elif isinstance(weight_sync, sync.ReloadSync):
+            weight_sync.close()
 
 
 def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log) -> None:
