@@ -216,14 +216,13 @@ def _sweep(rr, concurrencies: list[int]) -> int:
     import platform
 
     from workbench.evaluation import sweep
+    from workbench.evaluation.evaluate import preflight
     from workbench.rundir import RunDir
     from workbench.serving.server import VLLMServer
     from workbench.tasks import dataset, tinymodel
 
     run = RunDir.create(rr.recipe, "sweep")
     rows = dataset.eval_rows(rr.recipe)
-    from workbench.evaluation.evaluate import preflight
-
     with VLLMServer(rr, tinymodel.ensure_model(rr), run.serving.make().path) as srv:
         preflight(rr, rows, srv.url)
         result = sweep.run(rr, rows, concurrencies, url=srv.url)

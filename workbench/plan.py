@@ -164,7 +164,7 @@ def nodes(rr: Resolved) -> list[Node]:
     r = rr.recipe
     d = r.distributed
     model = rr.model_path
-    server_cmd = " ".join(serving_launch.command(rr, model)).replace(os.path.dirname(os.__file__), "")
+    server_cmd = " ".join(serving_launch.command(rr, model))
     server_env = {**rr.server.env, "VLLM_SERVER_DEV_MODE": "1"}
     if rr.api_key or r.server.api_key_env:
         server_env["VLLM_API_KEY"] = f"${r.server.api_key_env}"
