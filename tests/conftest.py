@@ -78,7 +78,8 @@ def tiny_server(server_rr, tiny_model_dir, tmp_path_factory):
     """One real vLLM server (CPU build, tiny model) shared by the tests that only talk to it."""
     from workbench.serving.server import VLLMServer
 
-    srv = VLLMServer(server_rr, str(tiny_model_dir), tmp_path_factory.mktemp("server"), quiet=True)
+    # for_training: tests/test_sync.py pushes weights into it and resets its prefix cache (dev endpoints)
+    srv = VLLMServer(server_rr, str(tiny_model_dir), tmp_path_factory.mktemp("server"), quiet=True, for_training=True)
     srv.start()
     yield srv
     srv.stop()

@@ -305,7 +305,7 @@ def _command_and_env(rr, python: str, model_path: str) -> tuple[list[str], dict]
 
     cmd = launch.command(rr, model_path)
     assert cmd[0] == sys.executable and cmd[1:3] == ["-m", "workbench.serving.vllm_cpu"]
-    env = launch.environment(rr)
+    env = launch.environment(rr, for_training=True)  # the weight-transfer routes and /server_info
     # the repository for the 0.23.0 environment, which does not have the workbench installed; tests/contract for
     # the gloo stand-in's vLLM plugin (its entry point is found on sys.path only)
     env["PYTHONPATH"] = os.pathsep.join([str(CONTRACT), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))

@@ -72,6 +72,40 @@ def test_server_dies_with_its_parent(server_recipe, tiny_model_dir, tmp_path):
     assert group_members(pgid) == []
 
 
+def test_server_dies_with_a_parent_killed_during_startup(tiny_model_dir, tmp_path):
+    """SIGKILL of the trainer while vLLM is still importing: PR_SET_PDEATHSIG's SIGTERM is lost then (no handler
+    yet); the launcher's parent watch ends the whole server group anyway."""
+    port = free_port()
+    script = textwrap.dedent(f"""
+        import threading, time
+        from workbench import recipe
+        from workbench.serving.server import VLLMServer
+        rr = recipe.resolve(recipe.load("cpu-tiny", ["server.port={port}", "monitor.runs_dir={tmp_path}"]))
+        srv = VLLMServer(rr, "{tiny_model_dir}", "{tmp_path}", quiet=True)
+        def report():
+            while srv.process is None:
+                time.sleep(0.05)
+            print(srv.pgid, flush=True)
+        threading.Thread(target=report, daemon=True).start()
+        srv.start()
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pgid = int(parent.stdout.readline())
+    # late in the start-up: vLLM has spawned its engine core (it holds a SIGTERM handler of its own by then), and
+    # /health does not answer yet
+    deadline = time.time() + 120
+    while len(group_members(pgid)) < 3 and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(group_members(pgid)) >= 3
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 30
+    while group_members(pgid) and time.time() < deadline:
+        time.sleep(0.5)
+    assert group_members(pgid) == []
+
+
 def test_startup_timeout_stops_the_server_and_says_why(server_recipe, tiny_model_dir, tmp_path):
     rr = recipe.resolve(recipe.load(server_recipe, {"server.port": free_port(), "server.startup_timeout_s": 3}))
     srv = VLLMServer(rr, str(tiny_model_dir), tmp_path, quiet=True)
@@ -163,9 +197,10 @@ def test_launch_command_per_platform(tmp_path):
     # the HCCL engine, under the name vllm-ascend maps onto it (the compatibility matrix's hccl_backend_name)
     assert npu.weight_sync == "hccl"
     assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": compat.hccl_backend_name()}
-    env = launch.environment(npu)
+    env = launch.environment(npu, for_training=True)
     assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3" and env["HCCL_CONNECT_TIMEOUT"] == "1800"
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE" not in launch.environment(npu)  # a server no trainer uses
     cuda = launch.environment(recipe.resolve(recipe.load("ascend-910b-8card", ["devices.platform=cuda"])))
     assert cuda["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     cpu = recipe.resolve(recipe.load("cpu-tiny"), platform="cpu")

@@ -91,6 +91,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from workbench import pipeline
 
     stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+    if args.resume:
+        from workbench import recipe
+        from workbench.rundir import RunDir
+
+        if args.overrides or args.recipe != "cpu-tiny":
+            raise WorkbenchError("--resume continues a run with its own recipe",
+                                 "drop --recipe and the overrides: workbench run --resume RUN")
+        run = RunDir.open(args.resume)
+        pipeline.run(recipe.resolve(recipe.load(str(run.recipe))), stages, resume=run)
+        return 0
     pipeline.run(_resolved(args), stages)
     return 0
 
@@ -118,15 +128,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.print_command:
         print(" ".join(launch.command(rr, model_path)))
         return 0
-    server.serve_forever(rr, model_path, RunDir.create(rr.recipe, "serve").serving.make().path)
+    server.serve_forever(rr, model_path, RunDir.create(rr.recipe, "serve").serving.make().path, args.for_training)
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from workbench import recipe
     from workbench.rundir import RunDir
-    from workbench.training.train import train
 
+    def train(*a, **k):  # imported late: a bad recipe is refused before torch and TRL load
+        from workbench.training.train import train as run
+
+        return run(*a, **k)
+
+    if args.resume:
+        if args.recipe or args.overrides or args.run_dir:
+            raise WorkbenchError("--resume continues a run with its own recipe",
+                                 "drop --recipe, --run-dir and overrides: workbench train --resume RUN")
+        run = RunDir.open(args.resume)
+        if not run.train.recipe.exists():
+            raise WorkbenchError(f"{args.resume} has no recipe.yaml", "pass the run directory of a training (runs/<id>)")
+        r = recipe.load(str(run.train.recipe))
+        train(recipe.resolve(r), run.train, resume=True)
+        print(f"run directory: {run.path}")
+        return 0
     if args.run_dir and (Path(args.run_dir) / "recipe.yaml").exists():
         if args.recipe or args.overrides:
             raise WorkbenchError(f"{args.run_dir} already has its recipe.yaml; --recipe and overrides would make the "
@@ -272,14 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("run", "run the staged notebooks with papermill: env, offline, serving, smoke, train, eval",
             "workbench.pipeline", cmd_run)
     p.add_argument("--stages", help="comma-separated subset of env,offline,serving,smoke,train,eval (default: all)")
+    p.add_argument("--resume", metavar="RUN", help="continue an interrupted run: keep the stages that passed, run the "
+                                                   "rest, the training from its newest checkpoint")
     add("report", "(re)build a run's self-contained HTML report", "workbench.observe.report", cmd_report, run_dir=True)
     p = add("serve", "start (or check) the recipe's vLLM server and keep it running", "workbench.serving.server",
             cmd_serve)
     p.add_argument("--model", help="model directory to serve (default: the recipe's model)")
     p.add_argument("--print-command", action="store_true", help="print the launch command and exit")
+    p.add_argument("--for-training", action="store_true", help="a server a trainer attaches to: weight-update endpoints on")
     p = add("train", "GRPO training through the recipe's vLLM server", "workbench.training.train", cmd_train,
             recipe=None)
     p.add_argument("--run-dir", help="train into this run directory (its recipe.yaml when it has one)")
+    p.add_argument("--resume", metavar="RUN", help="continue the run's training from its newest checkpoint")
     add("plan", "what each node runs: commands, environment, devices, ports, memory per device", "workbench.plan",
         cmd_plan)
     add("stop", "ask a training run to checkpoint and stop after its current step", "workbench.training.callbacks",

@@ -8,7 +8,9 @@ Each stage is a notebook (workbench/notebooks/, package data), run on the projec
 recipe.yaml and the run directory as parameters; the layout of that directory is workbench/rundir.py's.
 
 The first failing stage stops the run: its executed notebook keeps the traceback, the message names the stage,
-the notebook and the log, and the report is still written from whatever the run produced.
+the notebook and the log, and the report is still written from whatever the run produced. A kernel that dies (an
+out-of-memory kill shows as nbclient's DeadKernelError) or a cell that times out fails its stage the same way; the
+stage log keeps the kernel's last output.
 """
 from __future__ import annotations
 
@@ -48,19 +50,23 @@ def environment_summary() -> dict:
     import psutil
 
     from workbench.platform import envcheck
-    from workbench.secrets import redact
+    from workbench.secrets import redact, scrub_data
 
     variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_PREFIXES)}
-    return {"python": sys.version.split()[0], "machine": platform_module.platform(),
-            "cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "versions": {k: v for k, v in envcheck.installed_versions().items() if v},
-            "variables": redact(variables), "kernel": kernel_name()}
+    # by name, then by value: a secret copied into a variable of another name (or a path, a URL) goes too
+    return scrub_data({"python": sys.version.split()[0], "machine": platform_module.platform(),
+                       "cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+                       "versions": {k: v for k, v in envcheck.installed_versions().items() if v},
+                       "variables": redact(variables), "kernel": kernel_name()})
 
 
-def stage_parameters(stage: str, run: RunDir) -> dict:
+def stage_parameters(stage: str, run: RunDir, resuming: bool = False) -> dict:
     """Every notebook loads the run's resolved recipe (a name could mean something else tomorrow), with no
-    further overrides (they are already in it), and writes into the run directory."""
+    further overrides (they are already in it), and writes into the run directory. A resumed run's training
+    continues from its newest checkpoint when it has one."""
     params: dict = {"recipe": str(run.recipe), "overrides": [], "run_dir": str(run.path)}
+    if stage == "train" and resuming and any(run.train.checkpoints.glob("checkpoint-*/trainer_state.json")):
+        params["resume"] = True
     if stage == "eval":
         models = {"base": "base"}
         if (run.train.final / "model.safetensors").exists():
@@ -142,11 +148,13 @@ class _Heartbeat:
         self._stop.set()
 
 
-def run(rr: Resolved, stages: list[str] | None = None, log=print) -> Path:
+def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir | None = None) -> Path:
+    """Run the stages' notebooks into a new run directory, or (`resume`) continue an interrupted run in its own
+    directory: the stages that passed are kept, the others run again, a training continues from its checkpoint."""
     import papermill
-    from papermill.exceptions import PapermillExecutionError
 
     from workbench.observe import report
+    from workbench.secrets import scrub
 
     stages = list(stages or STAGES)
     unknown = [s for s in stages if s not in STAGES]
@@ -157,14 +165,31 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print) -> Path:
     missing = [STAGES[s] for s in stages if not (notebooks / f"{STAGES[s]}.ipynb").exists()]
     if missing:
         raise WorkbenchError(f"notebooks missing: {missing}", f"reinstall the package: they ship in {notebooks}")
+    if {"smoke", "train"} & set(stages):
+        from workbench.training.config import preflight
+
+        preflight(rr)  # the training's checks before the first notebook starts, not an hour into the run
     kernel = kernel_name()
     recipe = rr.recipe
-    run = RunDir.create(recipe, "run")
-    run = RunDir(run.path.resolve())
-    run.notebooks.mkdir()
-    run.logs.mkdir()
+    if resume is not None:
+        run = RunDir(resume.path.resolve())
+        try:
+            record = json.loads(run.record.read_text())
+        except (OSError, json.JSONDecodeError):
+            raise WorkbenchError(f"{run.record} is missing or unreadable", "resume a run made by `workbench run`") from None
+        done = [s for s in stages if (record.get("results", {}).get(s) or {}).get("status") == "passed"]
+        stages = [s for s in stages if s not in done]
+        record.pop("failed_stage", None)
+        record.pop("error", None)
+        record.setdefault("resumed", []).append({"time": time.time(), "kept": done, "again": stages})
+        log(f"resuming {run.path}: kept {', '.join(done) or 'nothing'}; running {', '.join(stages) or 'nothing'}")
+    else:
+        run = RunDir.create(recipe, "run")
+        run = RunDir(run.path.resolve())
+        record = {"recipe": recipe.name, "stages": stages, "kernel": kernel, "results": {}, "started": time.time()}
+    run.notebooks.mkdir(exist_ok=True)
+    run.logs.mkdir(exist_ok=True)
     write_atomic(run.environment, json.dumps(environment_summary(), indent=2))
-    record: dict = {"recipe": recipe.name, "stages": stages, "kernel": kernel, "results": {}, "started": time.time()}
     log(f"run directory: {run.path}  (kernel {kernel}; stages {', '.join(stages)})")
     try:
         for stage in stages:
@@ -176,18 +201,22 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print) -> Path:
             result = {"status": "running", "notebook": f"notebooks/{name}.ipynb", "log": f"logs/{name}.log"}
             record["results"][stage] = result
             write_atomic(run.record, json.dumps(record, indent=2))
+            failure: BaseException | None = None
             try:
-                params = stage_parameters(stage, run)
+                params = stage_parameters(stage, run, resuming=resume is not None)
                 with open(stage_log, "a") as out, _StderrTo(out), _Heartbeat(stage, run, log):
                     papermill.execute_notebook(
                         str(notebooks / f"{name}.ipynb"), str(executed), kernel_name=kernel,
                         parameters=params,
                         cwd=os.getcwd(), progress_bar=False, log_output=False, stdout_file=out, stderr_file=out)
                 result["status"] = "passed"
-            except PapermillExecutionError as exc:
+            except Exception as exc:  # any way a stage can end short: a failed stage, its log, and the report
+                failure = exc
                 result["status"] = "failed"
                 record["failed_stage"] = stage
-                record["error"] = f"{exc.ename}: {exc.evalue}"[:500]
+                record["error"] = scrub(_stage_error(exc))[:500]
+                with open(stage_log, "a") as out:  # the log ends with why, after the kernel's last output
+                    out.write(f"\nworkbench: stage '{stage}' failed: {record['error']}\n")
             finally:
                 result["seconds"] = round(time.time() - started, 1)
                 if executed.exists():
@@ -202,7 +231,7 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print) -> Path:
                 raise WorkbenchError(
                     f"stage '{stage}' failed: {record['error']}",
                     f"read the traceback in {executed} (HTML: {executed.with_suffix('.html')}) and the log "
-                    f"{stage_log}; the report so far is {report_path}")
+                    f"{stage_log}; the report so far is {report_path}") from failure
     finally:
         record["seconds"] = round(time.time() - record["started"], 1)
         write_atomic(run.record, json.dumps(record, indent=2))
@@ -211,6 +240,26 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print) -> Path:
     log("stage times (s): " + ", ".join(f"{s} {record['results'][s]['seconds']:.0f}" for s in stages))
     log(f"report: {report_path}")
     return run.path
+
+
+def _stage_error(exc: BaseException) -> str:
+    """One line for run.json and the report: what ended the stage's notebook."""
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+    from papermill.exceptions import PapermillExecutionError
+
+    def line(text) -> str:
+        return " ".join(str(text).split())
+
+    if isinstance(exc, PapermillExecutionError):  # a cell raised: its traceback is in the executed notebook
+        return f"{exc.ename}: {line(exc.evalue)}"
+    if isinstance(exc, DeadKernelError):
+        # nothing in the notebook says why: the kernel was killed (the OOM killer's SIGKILL shows as exactly this),
+        # crashed in native code, or exited
+        return (f"DeadKernelError: the kernel died while the stage ran ({line(exc)}); an out-of-memory kill shows as "
+                "a dead kernel (see `dmesg` or the container's memory limit); the stage log holds its last output")
+    if isinstance(exc, CellTimeoutError):
+        return f"CellTimeoutError: a cell ran past the execution timeout ({line(exc)})"
+    return f"{type(exc).__name__}: {line(exc)}"
 
 
 def _print_outcome(run: RunDir, log) -> None:

@@ -165,7 +165,7 @@ def nodes(rr: Resolved) -> list[Node]:
     d = r.distributed
     model = rr.model_path
     server_cmd = " ".join(serving_launch.command(rr, model))
-    server_env = {**rr.server.env, "VLLM_SERVER_DEV_MODE": "1"}
+    server_env = {**rr.server.env, "VLLM_SERVER_DEV_MODE": "1"}  # the training server's dev and weight routes
     if rr.api_key or r.server.api_key_env:
         server_env["VLLM_API_KEY"] = f"${r.server.api_key_env}"
     out: list[Node] = []
@@ -174,7 +174,7 @@ def nodes(rr: Resolved) -> list[Node]:
         host = rr.server_url.split("//", 1)[1].rsplit(":", 1)[0]
         node = Node("server node", host)
         node.processes.append({"role": "server", "devices": list(rr.server.devices), "env": server_env,
-                               "command": f"workbench serve --recipe {r.name} server.mode=managed"
+                               "command": f"workbench serve --for-training --recipe {r.name} server.mode=managed"
                                           f"   # = {server_cmd}"})
         node.ports.append(f"{r.server.port}/tcp: the OpenAI API and weight-update endpoints (the trainer node only)")
         out.append(node)

@@ -1,6 +1,6 @@
 """Run directories: the only code that knows the names of the files a run leaves behind.
 
-    run = RunDir.create(recipe, "run")          # runs/<stamp>-<name>-run/, with recipe.yaml written once
+    run = RunDir.create(recipe, "run")          # runs/<stamp>-<name>-run/, recipe.yaml written once (no secrets)
     run = RunDir.open("runs/<id>")               # an existing run (clear error when it is not one)
     run.train.metrics, run.eval.summary, run.serving.json, run.notebook("04_full_grpo")
 
@@ -49,6 +49,27 @@ def write_atomic(path: Path | str, text: str | bytes) -> Path:
     return path
 
 
+def recipe_text(recipe) -> str:
+    """The recipe as a run directory keeps it (recipe.yaml): no secret in it. Values in the env dicts
+    (server.env, devices.env) whose names look secret are redacted, and every known secret value (this process's
+    secret-named variables, those env dicts' and the API key's variable) is replaced wherever it appears.
+    Stages read this copy: a redacted variable reaches their processes from the environment they inherit instead.
+    A recipe without secrets is written exactly as `recipe.to_yaml()`."""
+    import yaml
+
+    from workbench.secrets import redact, scrub, scrub_data, secret_values
+
+    data = recipe.to_dict()
+    envs = {**data["devices"]["env"], **data["server"]["env"]}
+    values = secret_values(envs, names=[data["server"].get("api_key_env") or ""])
+    clean = scrub_data({**data, "server": {**data["server"], "env": redact(data["server"]["env"], values)},
+                        "devices": {**data["devices"], "env": redact(data["devices"]["env"], values)}}, values)
+    if clean == data:
+        return recipe.to_yaml()
+    # the same layout as Recipe.to_yaml; the text is scrubbed again in case the dump split or quoted a value
+    return scrub(yaml.safe_dump(clean, sort_keys=False, default_flow_style=False, width=110), values)
+
+
 def safe_name(name: str) -> str:
     """A recipe name as a path component: no separators, no '..', nothing a shell must quote."""
     cleaned = _SAFE_NAME.sub("-", name).strip(".-")
@@ -74,6 +95,10 @@ class TrainDir:
     smoke_checks = property(lambda self: self.path / "smoke_checks.json")
     accelerate_config = property(lambda self: self.path / "accelerate.yaml")
     ranks = property(lambda self: self.path / "ranks.json")
+    events = property(lambda self: self.path / "events.jsonl")  # restarts, resumes, canary alarms, failures
+    canary = property(lambda self: self.path / "canary.jsonl")  # the weight-parity probe, one line per check
+    restart_request = property(lambda self: self.path / "server-restart.request")  # a rank asks for a new server
+    restart_answer = property(lambda self: self.path / "server-restart.answer")
 
     @property
     def recipe(self) -> Path:
@@ -136,7 +161,7 @@ class RunDir:
     @classmethod
     def create(cls, recipe, kind: str = "run", root: Path | str | None = None) -> "RunDir":
         """A fresh directory under monitor.runs_dir named by time, recipe and kind; the resolved recipe written
-        in it, once: every stage and process of the run reads this file."""
+        in it, once, without secrets (`recipe_text`): every stage and process of the run reads this file."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         base = Path(root or recipe.monitor.runs_dir)
         name = f"{stamp}-{safe_name(recipe.name)}-{safe_name(kind)}"
@@ -146,7 +171,7 @@ class RunDir:
             path = base / f"{name}-{suffix}"
         path.mkdir(parents=True)
         run = cls(path)
-        write_atomic(run.recipe, recipe.to_yaml())
+        write_atomic(run.recipe, recipe_text(recipe))
         return run
 
     @classmethod
@@ -155,7 +180,7 @@ class RunDir:
         run = cls(path)
         run.path.mkdir(parents=True, exist_ok=True)
         if recipe is not None and not run.recipe.exists():
-            write_atomic(run.recipe, recipe.to_yaml())
+            write_atomic(run.recipe, recipe_text(recipe))
         return run
 
     @classmethod

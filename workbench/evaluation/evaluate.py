@@ -341,6 +341,11 @@ def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir
         log(lm_eval_command(rr))
     else:
         models = models or {"base": "base"}
+        missing = [f"{label}={path}" for label, path in models.items()
+                   if path not in ("tiny", "base") and not (Path(path) / "config.json").is_file()]
+        if missing:  # before the first server starts, not after the first model was scored
+            raise WorkbenchError(f"no model directory at {', '.join(missing)} (no config.json)",
+                                 "pass --model LABEL=DIR with a Hugging Face model directory, e.g. RUN/train/final")
         for label, path in models.items():
             path = ensure_model(rr, log=log) if path in ("tiny", "base") else path
             with VLLMServer(rr, path, log_dir, quiet=quiet) as srv:

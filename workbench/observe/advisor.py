@@ -11,7 +11,7 @@ are the field's rules of thumb (practitioners' reports of 8-card GRPO runs), kep
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 IDLE_SERVER_UTIL_PCT = 35.0      # server devices busier than this are not "idle"
@@ -25,6 +25,9 @@ KL_SPIKE_MIN = 0.05
 ZERO_STD_FRACTION = 0.5          # groups in which every completion got the same reward: no signal
 REWARD_DROP = 0.7                # the last third's reward below this share of the best window
 SYNC_SHARE = 0.15                # weight sync this share of the step
+DRIFT_RISE = 10.0                # the canary's gap, last third vs first third
+RSS_GROWTH = 0.10                # a role's resident memory, end vs start of the run
+RSS_GROWTH_MIN_MB = 200.0
 
 
 @dataclass
@@ -49,6 +52,8 @@ class RunRecords:
     devices: list[dict]
     rollout: list[dict]
     recipe: dict | None = None
+    events: list[dict] = field(default_factory=list)
+    canary: list[dict] = field(default_factory=list)
 
 
 def _series(rows: list[dict], key: str) -> list[float]:
@@ -229,9 +234,80 @@ def sync_share(records) -> Finding | None:
         "server.sync_dir on /dev/shm for reload, or raise trainer.steps_per_generation to sync less often")
 
 
+def weight_drift(records) -> Finding | None:
+    """The weight-parity canary: an alarm, or a gap that keeps rising while still under the alarm level."""
+    gaps = [c for c in records.canary if c.get("reason") == "scheduled"]
+    alarms = [c for c in records.canary if c.get("level") in ("warn", "stop")]
+    if alarms:
+        worst = max(alarms, key=lambda c: c["gap_mean"])
+        return Finding(
+            "weight_drift", "warning", "The server's weights drift from the trainer's",
+            f"{len(alarms)} canary check(s) over the warning level; worst {worst['gap_mean']:.3g} nats/token at "
+            f"step {worst['step']} ({worst['level']})",
+            "the server is not sampling from the weights being trained: check server.weight_sync and the server "
+            "log (a reload that fails quietly, a sleep-mode wake-up that restores old weights)")
+    values = _series(gaps, "gap_mean")
+    if len(values) >= 6:
+        first, last = _thirds(values)
+        if statistics.fmean(first) > 0 and statistics.fmean(last) > DRIFT_RISE * statistics.fmean(first):
+            return Finding(
+                "weight_drift", "info", "The weight-parity gap is rising",
+                f"canary gap {statistics.fmean(first):.2g} → {statistics.fmean(last):.2g} nats/token (first → last "
+                "third of the checks), still under the warning level",
+                "watch it; a sync that loses precision (a lower-precision transfer, a missing tied weight) grows so")
+    return None
+
+
+def server_faults(records) -> Finding | None:
+    faults = [e for e in records.events if e.get("kind") == "server_fault"]
+    if not faults:
+        return None
+    restarts = sum(1 for e in records.events if e.get("kind") == "server_restart")
+    lost = [e for e in records.events if e.get("kind") == "server_lost"]
+    return Finding(
+        "server_faults", "warning", "The sampling server failed during training",
+        f"{len(faults)} fault(s), {restarts} restart(s){', then the run stopped' if lost else ''}; first: "
+        f"{faults[0].get('message', '')[:160]}",
+        "read the server logs kept beside the run (vllm-server-*.before-restart-N.log): out of memory → lower "
+        "server.gpu_memory_utilization or max_num_seqs; a hang → lower server.request_timeout_s to notice it sooner")
+
+
+def memory_trend(devices: list[dict]) -> dict[str, dict]:
+    """Per role, its processes' resident memory at the start and end of the run and the slope (MB per hour), from
+    the device samples (one value per sample time: every core of a role repeats it)."""
+    by_role: dict[str, dict[float, float]] = {}
+    for row in devices:
+        if isinstance(row.get("mem_used_mb"), (int, float)) and row.get("kind") == "cpu":
+            by_role.setdefault(row["role"], {})[row["time"]] = float(row["mem_used_mb"])
+    out = {}
+    for role, series in by_role.items():
+        points = sorted(series.items())
+        if len(points) < 4:
+            continue
+        times, values = [t for t, _ in points], [v for _, v in points]
+        n = max(1, len(values) // 10)
+        start, end = statistics.median(values[:n]), statistics.median(values[-n:])
+        hours = (times[-1] - times[0]) / 3600
+        slope = statistics.linear_regression(times, values).slope * 3600 if len(set(times)) > 1 else 0.0
+        out[role] = {"start_mb": start, "end_mb": end, "hours": hours, "slope_mb_per_hour": slope}
+    return out
+
+
+def memory_growth(records) -> Finding | None:
+    grown = {role: t for role, t in memory_trend(records.devices).items()
+             if t["end_mb"] - t["start_mb"] > max(RSS_GROWTH_MIN_MB, RSS_GROWTH * t["start_mb"])}
+    if not grown:
+        return None
+    evidence = "; ".join(f"{role} {t['start_mb']:.0f} → {t['end_mb']:.0f} MB over {t['hours']:.2g} h "
+                         f"({t['slope_mb_per_hour']:+.0f} MB/h)" for role, t in grown.items())
+    return Finding("memory_growth", "warning", "Resident memory keeps growing", evidence,
+                   "a long run will run out of memory at this slope: check what grows (python -X tracemalloc), "
+                   "cap the glibc arenas (MALLOC_ARENA_MAX=2) and compare the slope")
+
+
 RULES: dict[str, Callable] = {fn.__name__: fn for fn in
                               (idle_server, low_concurrency, long_tail, kl_spikes, no_signal, reward_unstable,
-                               sync_share)}
+                               sync_share, weight_drift, server_faults, memory_growth)}
 
 
 def advise(records=None, *, metrics=None, devices=None, rollout=None, recipe=None) -> list[Finding]:
@@ -239,7 +315,8 @@ def advise(records=None, *, metrics=None, devices=None, rollout=None, recipe=Non
         records = RunRecords(metrics or [], devices or [], rollout or [], recipe)
     elif not isinstance(records, RunRecords):  # a rundata.RunData: only the per-step lines are metrics
         records = RunRecords(list(getattr(records, "train_metrics", records.metrics)), records.devices,
-                             records.rollout, records.recipe)
+                             records.rollout, records.recipe, list(getattr(records, "events", [])),
+                             list(getattr(records, "canary", [])))
     findings = []
     for rule in RULES.values():
         finding = rule(records)

@@ -20,7 +20,8 @@ import time
 
 from workbench.observe import advisor, figures
 from workbench.observe.rundata import RunData
-from workbench.observe.views import completions_html, findings_html, fmt_seconds, summary_rows, table_html
+from workbench.observe.views import (completions_html, events_html, findings_html, fmt_seconds, summary_rows,
+                                     table_html)
 from workbench.rundir import TrainDir
 
 
@@ -43,9 +44,9 @@ class Dashboard:
         self.status = w.HTML()
         self.stop_button = w.Button(description="Stop (checkpoint first)", button_style="danger", icon="stop")
         self.stop_button.on_click(self._on_stop)
-        self.curves, self.advice, self.samples = w.Output(), w.HTML(), w.HTML()
-        tabs = w.Tab(children=[self.curves, self.advice, self.samples])
-        for i, name in enumerate(("curves", "advisor", "completions")):
+        self.curves, self.advice, self.samples, self.events = w.Output(), w.HTML(), w.HTML(), w.HTML()
+        tabs = w.Tab(children=[self.curves, self.advice, self.samples, self.events])
+        for i, name in enumerate(("curves", "advisor", "completions", "events")):
             tabs.set_title(i, name)
         self._widgets = w.VBox([w.HBox([self.progress, self.status, self.stop_button]), tabs])
         return self._widgets
@@ -66,8 +67,13 @@ class Dashboard:
         state = "finished" if prog["finished"] else ("stopping" if self.data.stop_requested else "training")
         if self.process is not None and self.process.poll() not in (None, 0):
             state = f"exited with {self.process.returncode} (see train.log)"
+        canary = self.data.canary[-1] if self.data.canary else None
+        restarts = sum(1 for e in self.data.events if e.get("kind") == "server_restart")
         self.status.value = (f"&nbsp;{state} · {fmt_seconds(prog['seconds_per_step'])}/step · "
-                             f"ETA {fmt_seconds(prog['eta_seconds'])}")
+                             f"ETA {fmt_seconds(prog['eta_seconds'])}"
+                             + (f" · canary {canary['gap_mean']:.1g} ({canary['level']})" if canary else "")
+                             + (f" · {restarts} server restart(s)" if restarts else ""))
+        self.events.value = events_html(self.data.events) or "<p>No events: no fault, restart or alarm.</p>"
         rows = len(self.data.metrics)
         # A redraw costs 0.5-0.8 s of CPU (nine panels): only for a new training log, and not more often than
         # every 3 refreshes, or on a 2-core machine the dashboard would slow the run it watches.
@@ -120,6 +126,8 @@ class Dashboard:
         display(Image(data=figures.png_bytes(figures.training_figure(self.data))))
         display(HTML(table_html(summary_rows(self.data))))
         display(HTML(findings_html(advisor.advise(self.data))))
+        if self.data.events:
+            display(HTML(events_html(self.data.events)))
         display(HTML(completions_html(self.data.latest_completions(self.completions_shown))))
         if self.process is not None and self.process.returncode not in (None, 0):
             tail = self.data.dir.log.read_text(errors="replace").splitlines()[-25:]

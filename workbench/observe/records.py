@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 # Older or tracker-prefixed name -> the name the workbench uses (TRL 1.16's).
@@ -122,3 +123,40 @@ class Tail:
             new.append(normalise(row) if self.normalised else row)
         self.rows.extend(new)
         return new
+
+
+def append_event(path: Path, kind: str, message: str, **fields) -> dict:
+    """One line of a run's events log (events.jsonl): restarts, resumes, canary alarms, failures.
+
+    kinds: server_fault, server_restart, server_lost, resume, canary_warn, canary_stop, reward_failure, failure."""
+    record = {"time": time.time(), "kind": kind, "message": message, **fields}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    append_jsonl(path, record)
+    return record
+
+
+def truncate_after(path: Path, step: int) -> int:
+    """Keep only the complete lines whose `step` is at most `step` (a resumed run continues from its checkpoint:
+    what the killed run logged after it is logged again). Rewritten atomically; returns the lines dropped."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.endswith("\n"):
+                dropped += 1  # a torn last line of the killed process
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1
+                continue
+            if isinstance(row.get("step"), (int, float)) and row["step"] > step:
+                dropped += 1
+                continue
+            kept.append(line)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept))
+    os.replace(partial, path)
+    return dropped

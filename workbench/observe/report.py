@@ -22,7 +22,7 @@ from workbench.evaluation.sweep import HEADER as SWEEP_HEADER, Sweep
 from workbench.observe import advisor, figures, views
 from workbench.observe.rundata import RunData
 from workbench.rundir import RunDir, TrainDir, write_atomic
-from workbench.secrets import redact
+from workbench.secrets import redact, scrub, secret_values
 from workbench.serving.offline import OfflineResult
 from workbench.training.smoke import SmokeChecks
 
@@ -135,6 +135,8 @@ def _training(train_dir: TrainDir) -> str:
     title = f"GRPO · {train_dir.path.parent.name}/{train_dir.path.name}"
     out += _img(figures.png_bytes(figures.training_figure(data, title=title)), "training curves")
     out += _table(["", "value"], [list(r) for r in views.summary_rows(data)], left=1)
+    if data.events:  # interruptions, restarts, alarms: what happened to the run, in order
+        out += "<h3>Events</h3>" + views.events_html(data.events)
     steps = [r for r in data.train_metrics if "time/step" in r]
     if steps:
         def mean(key):
@@ -223,4 +225,17 @@ def build(run: RunDir | Path | str) -> Path:
             _smoke(run), _serving(run), _offline(run), _environment(run), _recipe(run)]
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>GRPO report {_e(run.path.name)}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(body)}{CHECK_SCRIPT}</body></html>")
-    return write_atomic(run.report, page)
+    # Completions, logs and check findings quote whatever a stage printed: every known secret value goes, as it is
+    # and as the page escapes it.
+    values = secret_values(names=[_api_key_env(run)])
+    return write_atomic(run.report, scrub(page, values | {_e(v) for v in values}))
+
+
+def _api_key_env(run: RunDir) -> str:
+    """The name of the variable that holds the run's API key (its value is a secret whatever the name)."""
+    try:
+        import yaml
+
+        return ((yaml.safe_load(run.recipe.read_text()) or {}).get("server") or {}).get("api_key_env") or ""
+    except Exception:  # no or a broken recipe copy: the report is still written
+        return ""

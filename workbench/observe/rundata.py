@@ -23,7 +23,8 @@ class RunData:
         self.dir = train_dir if isinstance(train_dir, TrainDir) else TrainDir(train_dir)
         self.run_dir = self.dir.path
         self._tails = {"metrics": Tail(self.dir.metrics), "devices": Tail(self.dir.devices),
-                       "rollout": Tail(self.dir.rollout)}
+                       "rollout": Tail(self.dir.rollout), "events": Tail(self.dir.events, normalised=False),
+                       "canary": Tail(self.dir.canary, normalised=False)}
         self.recipe: dict | None = None
 
     @property
@@ -42,6 +43,16 @@ class RunData:
     @property
     def rollout(self) -> list[dict]:
         return self._tails["rollout"].rows
+
+    @property
+    def events(self) -> list[dict]:
+        """Server faults and restarts, resumes, canary alarms, failures (events.jsonl)."""
+        return self._tails["events"].rows
+
+    @property
+    def canary(self) -> list[dict]:
+        """The weight-parity checks (canary.jsonl): step, gap_mean, gap_max, level, reason."""
+        return self._tails["canary"].rows
 
     def refresh(self) -> int:
         """Read what was appended; returns the number of new records."""

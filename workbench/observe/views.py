@@ -50,6 +50,16 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
                                         f"({monitor['core_share']:.2%} of a core)"))
     if summary.get("stopped_early_at") is not None:
         out.append(("stopped early", f"at step {summary['stopped_early_at']} (STOP)"))
+    if data.canary:
+        worst = max(data.canary, key=lambda c: c["gap_mean"])
+        out.append(("weight-parity canary", f"{len(data.canary)} checks, latest {data.canary[-1]['gap_mean']:.2g}, "
+                                            f"worst {worst['gap_mean']:.2g} nats/token (step {worst['step']})"))
+    kinds = [e.get("kind") for e in data.events]
+    if kinds:
+        out.append(("events", ", ".join(f"{kinds.count(k)} {k.replace('_', ' ')}" for k in dict.fromkeys(kinds))))
+    for role, trend in advisor.memory_trend(data.devices).items():
+        out.append((f"{role} memory (RSS)", f"{trend['start_mb']:.0f} → {trend['end_mb']:.0f} MB "
+                                            f"({trend['slope_mb_per_hour']:+.0f} MB/h)"))
     for rank in data.ranks():
         cores = f", cores {rank['cores']}" if str(rank.get("device", "")).startswith("cpu") else ""
         out.append((f"trainer rank {rank['rank']}", f"{rank['device']}{cores}, pid {rank['pid']}"))
@@ -68,6 +78,18 @@ def findings_html(findings: list[advisor.Finding]) -> str:
     items = "".join(f"<li><b>{html.escape(f.title)}</b> ({f.severity})<br>evidence: {html.escape(f.evidence)}"
                     f"<br>try: {html.escape(f.suggestion)}</li>" for f in findings)
     return f"<p>Advisor:</p><ul>{items}</ul>"
+
+
+def events_html(events: list[dict]) -> str:
+    """The run's events (server faults and restarts, resumes, canary alarms), oldest first."""
+    if not events:
+        return ""
+    import time as _time
+
+    rows = "".join(f"<tr><td>{_time.strftime('%H:%M:%S', _time.localtime(e.get('time', 0)))}</td>"
+                   f"<td>{html.escape(str(e.get('step', '')))}</td><td>{html.escape(e.get('kind', ''))}</td>"
+                   f"<td style='text-align:left'>{html.escape(e.get('message', ''))}</td></tr>" for e in events)
+    return f"<table><tr><th>time</th><th>step</th><th>event</th><th>what happened</th></tr>{rows}</table>"
 
 
 def completions_html(samples: list[dict]) -> str:

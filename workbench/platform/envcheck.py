@@ -105,8 +105,10 @@ class Report:
                 "checks": [asdict(c) for c in self.checks]}
 
     def save(self, run) -> Path:
-        """Into a run directory (its env.json)."""
-        return write_atomic(run.env_check, json.dumps(self.to_json(), indent=2))
+        """Into a run directory (its env.json), without secret values (a check's finding may quote a variable)."""
+        from workbench.secrets import scrub_data
+
+        return write_atomic(run.env_check, json.dumps(scrub_data(self.to_json()), indent=2))
 
 
 # ----------------------------------------------------------------------------------------------------------------

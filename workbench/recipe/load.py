@@ -54,13 +54,22 @@ def available() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
-def _read_yaml(source: str) -> tuple[dict, str]:
+def _read_yaml(source: str, chain: tuple[Path, ...] = ()) -> tuple[dict, str]:
     path = Path(source)
     if path.suffix not in (".yaml", ".yml"):
-        path = RECIPES_DIR / f"{source}.yaml"
+        if chain and (chain[-1].parent / f"{source}.yaml").is_file():  # a sibling of the recipe that extends it
+            path = chain[-1].parent / f"{source}.yaml"
+        else:
+            path = RECIPES_DIR / f"{source}.yaml"
+    elif chain and not path.is_absolute() and (chain[-1].parent / path).is_file():
+        path = chain[-1].parent / path
     if not path.is_file():
-        raise WorkbenchError(f"recipe {source!r} does not exist",
+        where = f" (extended by {chain[-1]})" if chain else ""
+        raise WorkbenchError(f"recipe {source!r} does not exist{where}",
                              f"use one of: {', '.join(available())}, or the path of a YAML file")
+    if path.resolve() in [p.resolve() for p in chain]:
+        cycle = " -> ".join(str(p) for p in (*chain, path))
+        raise WorkbenchError(f"recipe `extends:` forms a cycle: {cycle}", "make one of them extend nothing")
     try:
         raw = yaml_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -70,8 +79,10 @@ def _read_yaml(source: str) -> tuple[dict, str]:
         raise WorkbenchError(f"recipe {path} holds a {type(raw).__name__}, not a mapping of sections",
                              f"write it as sections: {', '.join(SECTIONS)}")
     base = raw.pop("extends", None)
+    if base is not None and not isinstance(base, str):
+        raise WorkbenchError(f"recipe {path}: extends is {base!r}", "name one recipe (or YAML path) to extend")
     if base:
-        parent, _ = _read_yaml(str(base))
+        parent, _ = _read_yaml(base, (*chain, path))
         parent.pop("description", None)
         parent.pop("name", None)
         raw = _merge(parent, raw)
@@ -124,15 +135,33 @@ def apply_overrides(raw: dict, overrides: typing.Iterable[str] | dict | None) ->
     return raw
 
 
+class RecipeProblems(WorkbenchError):
+    """Every problem found in a recipe at once: each names its key, the cause and the fix."""
+
+    def __init__(self, problems: list[WorkbenchError], name: str = "") -> None:
+        self.problems = problems
+        if len(problems) == 1:
+            only = problems[0]
+            super().__init__(only.cause, only.fix)
+        else:
+            where = f" in recipe {name!r}" if name else ""
+            super().__init__(f"{len(problems)} problems{where}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
 def load(source: str | Recipe = "cpu-tiny", overrides: typing.Iterable[str] | dict | None = None) -> Recipe:
-    """Read a recipe by name or path, apply overrides, check every key and value, and return it."""
+    """Read a recipe by name or path, apply overrides, check every key and value, and return it.
+
+    All problems are found in one pass and raised together (RecipeProblems), before anything starts."""
     if isinstance(source, Recipe):
         raw = source.to_dict()
     else:
         raw, _ = _read_yaml(source)
     raw = apply_overrides(raw, overrides)
-    recipe = _build(Recipe, raw, "")
-    check(recipe)
+    problems: list[WorkbenchError] = []
+    recipe = _build(Recipe, raw, "", problems)
+    problems += check(recipe, raise_first=False)
+    if problems:
+        raise RecipeProblems(problems, recipe.name)
     return recipe
 
 
@@ -148,7 +177,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
+def _coerce(value: Any, tp: Any, where: str, problems: list | None = None) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -159,7 +188,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(value, arg, where)
+                return _coerce(value, arg, where, problems)
             except WorkbenchError as exc:
                 errors.append(exc)
         raise errors[0]
@@ -178,7 +207,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise _type_error(where, value, tp)
-        return _build(tp, value, where)
+        return _build(tp, value, where, problems)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -206,16 +235,23 @@ def _type_error(where: str, value: Any, tp: Any) -> WorkbenchError:
                           f"set {where} to a value of type {_type_name(tp)}")
 
 
-def _build(cls: type, raw: dict, prefix: str) -> Any:
+def _build(cls: type, raw: dict, prefix: str, problems: list | None = None) -> Any:
+    """The dataclass from its raw mapping. With `problems`, a bad key is noted there and left at its default, so
+    that one pass finds every problem; without, the first one raises."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
         where = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            what = f"unknown recipe section {key!r}" if not prefix else f"unknown recipe key {where!r}"
-            raise WorkbenchError(what, _closest(str(key), names))
-        kwargs[key] = _coerce(value, hints[key], where)
+        try:
+            if key not in names:
+                what = f"unknown recipe section {key!r}" if not prefix else f"unknown recipe key {where!r}"
+                raise WorkbenchError(what, _closest(str(key), names))
+            kwargs[key] = _coerce(value, hints[key], where, problems)
+        except WorkbenchError as exc:
+            if problems is None:
+                raise
+            problems.append(exc)
     return cls(**kwargs)
 
 
@@ -238,58 +274,190 @@ DERIVED_TRAINER_KEYS = {
 }
 
 
-def check(recipe: Recipe) -> None:
-    """Cross-section checks; each failure is one WorkbenchError line."""
+def _at_least(where: str, value: Any, low: float, fix: str | None = None, strict: bool = False) -> WorkbenchError | None:
+    if value is None or (value > low if strict else value >= low):
+        return None
+    bound = f"above {low:g}" if strict else f"at least {low:g}"
+    return WorkbenchError(f"{where} is {value!r}", fix or f"set {where} to a value {bound}")
+
+
+def _ranges(recipe: Recipe) -> list[WorkbenchError]:
+    """Ranges of the numeric knobs: what no server, trainer or evaluation could use."""
+    s, d, e, m, t = recipe.server, recipe.data, recipe.eval, recipe.monitor, recipe.model.tiny
+    out = [
+        _at_least("server.max_model_len", s.max_model_len, 1),
+        _at_least("server.tensor_parallel_size", s.tensor_parallel_size, 1),
+        _at_least("server.data_parallel_size", s.data_parallel_size, 1),
+        _at_least("server.max_num_seqs", s.max_num_seqs, 1, "set server.max_num_seqs to 1 or more, or null"),
+        _at_least("server.max_num_batched_tokens", s.max_num_batched_tokens, 1,
+                  "set server.max_num_batched_tokens to 1 or more, or null"),
+        _at_least("server.kv_cache_space_gib", s.kv_cache_space_gib, 1),
+        _at_least("server.startup_timeout_s", s.startup_timeout_s, 0, strict=True),
+        _at_least("server.request_timeout_s", s.request_timeout_s, 0, strict=True),
+        _at_least("server.max_restarts", s.max_restarts, 0),
+        _at_least("data.max_prompt_length", d.max_prompt_length, 1),
+        _at_least("data.heldout_size", d.heldout_size, 0),
+        _at_least("data.train_size", d.train_size, 1, "set data.train_size to 1 or more, or null for every row"),
+        _at_least("eval.num_samples", e.num_samples, 1),
+        _at_least("eval.repeats", e.repeats, 1, "set eval.repeats to 1 or more (each problem is sampled that often)"),
+        _at_least("eval.concurrency", e.concurrency, 1, "set eval.concurrency to 1 or more requests in flight"),
+        _at_least("eval.max_tokens", e.max_tokens, 1, "set eval.max_tokens to 1 or more (the answer's token budget)"),
+        _at_least("eval.retries", e.retries, 0),
+        _at_least("eval.temperature", e.temperature, 0),
+        _at_least("monitor.sample_interval_s", m.sample_interval_s, 0, strict=True),
+        _at_least("monitor.completions_shown", m.completions_shown, 0),
+        _at_least("monitor.canary_every", m.canary_every, 0, "set monitor.canary_every to N steps, or 0 to turn it off"),
+        _at_least("monitor.canary_warn_gap", m.canary_warn_gap, 0, strict=True),
+        _at_least("monitor.canary_stop_gap", m.canary_stop_gap, 0, strict=True),
+        _at_least("distributed.device_memory_gib", recipe.distributed.device_memory_gib, 0, strict=True),
+    ]
+    for where, value in (("model.tiny.vocab_size", t.vocab_size), ("model.tiny.hidden_size", t.hidden_size),
+                         ("model.tiny.num_layers", t.num_layers), ("model.tiny.num_heads", t.num_heads),
+                         ("model.tiny.num_kv_heads", t.num_kv_heads), ("model.tiny.batch_size", t.batch_size),
+                         ("model.tiny.pretrain_steps", t.pretrain_steps), ("model.tiny.eval_size", t.eval_size)):
+        out.append(_at_least(where, value, 1))
+    out.append(_at_least("model.tiny.learning_rate", t.learning_rate, 0, strict=True))
+    if t.num_heads >= 1 and t.hidden_size % t.num_heads:
+        out.append(WorkbenchError(f"model.tiny.hidden_size={t.hidden_size} is not divisible by num_heads={t.num_heads}",
+                                  "choose sizes where hidden_size is a multiple of num_heads"))
+    if t.num_kv_heads >= 1 and t.num_heads % t.num_kv_heads:
+        out.append(WorkbenchError(f"model.tiny.num_heads={t.num_heads} is not divisible by num_kv_heads="
+                                  f"{t.num_kv_heads}", "choose num_kv_heads dividing num_heads"))
+    if not 0 < e.top_p <= 1:
+        out.append(WorkbenchError(f"eval.top_p is {e.top_p!r}", "set eval.top_p above 0 and at most 1"))
+    if not 0 < s.gpu_memory_utilization <= 1:
+        out.append(WorkbenchError(f"server.gpu_memory_utilization is {s.gpu_memory_utilization!r}",
+                                  "set it to a fraction above 0 and at most 1, e.g. 0.85"))
+    for where, port in (("server.port", s.port), ("distributed.main_port", recipe.distributed.main_port)):
+        if not 1 <= port <= 65535:
+            out.append(WorkbenchError(f"{where} is {port}", f"set {where} to a port between 1 and 65535"))
+    if m.canary_warn_gap and m.canary_stop_gap and m.canary_warn_gap >= m.canary_stop_gap:
+        out.append(WorkbenchError(f"monitor.canary_warn_gap={m.canary_warn_gap} is not below canary_stop_gap="
+                                  f"{m.canary_stop_gap}", "warn below the gap that stops the run"))
+    for role in ("server", "trainer"):
+        ids = getattr(recipe.devices, role)
+        where = f"devices.{role}"
+        if not ids and (role == "trainer" or s.mode == "managed"):
+            out.append(WorkbenchError(f"{where} is empty", f"list the device ids (CPU: cores) the {role} uses"))
+        if any(i < 0 for i in ids):
+            out.append(WorkbenchError(f"{where} lists negative ids {[i for i in ids if i < 0]}",
+                                      "device ids (CPU: core numbers) count from 0"))
+        if len(set(ids)) != len(ids):
+            out.append(WorkbenchError(f"{where} repeats ids {sorted({i for i in ids if ids.count(i) > 1})}",
+                                      "list each device once"))
+    return [p for p in out if p is not None]
+
+
+def _data(recipe: Recipe) -> list[WorkbenchError]:
+    """The data section names a dataset that exists, with a file where one is needed and known field names."""
+    from workbench.tasks.dataset import FIELD_KEYS, KNOWN
+
+    d, out = recipe.data, []
+    if d.name not in KNOWN:
+        out.append(WorkbenchError(f"data.name is {d.name!r}, not a known dataset", f"use one of: {', '.join(KNOWN)}"))
+    elif d.name == "arithmetic" and d.path:
+        out.append(WorkbenchError("data.path is set but dataset 'arithmetic' is generated and reads no file",
+                                  "drop data.path, or set data.name=file to train on the file"))
+    elif d.name == "file" and not d.path:
+        out.append(WorkbenchError("data.name is 'file' but data.path is not set",
+                                  "set data.path to a local .jsonl, .json or .parquet file"))
+    if d.path and d.name != "arithmetic":
+        path = Path(d.path)
+        if not path.is_file():
+            out.append(WorkbenchError(f"data.path {d.path} does not exist", "point data.path at a local data file"))
+        elif path.suffix.lower() not in (".jsonl", ".json", ".parquet"):
+            out.append(WorkbenchError(f"data.path {d.path} has format {path.suffix or '(no extension)'!r}",
+                                      "use a .jsonl, .json or .parquet file"))
+    if d.fields:
+        unknown = sorted(set(d.fields) - set(FIELD_KEYS))
+        if unknown:
+            out.append(WorkbenchError(f"data.fields has unknown keys {unknown}",
+                                      f"map only {', '.join(FIELD_KEYS)} to the file's columns"))
+    return out
+
+
+def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
+    """Cross-section and range checks. Returns every problem (raise_first=False) or raises the first one."""
+    problems: list[WorkbenchError] = []
     grpo = trl_fields.names()
-    for key in recipe.trainer:
+    for key, value in recipe.trainer.items():
         if key in DERIVED_TRAINER_KEYS:
-            raise WorkbenchError(f"trainer.{key} is derived by the workbench",
-                                 f"set {DERIVED_TRAINER_KEYS[key]} instead and drop trainer.{key}")
-        if key not in grpo:
-            raise WorkbenchError(f"unknown recipe key 'trainer.{key}' (not a trl.GRPOConfig argument)",
-                                 _closest(key, grpo))
+            problems.append(WorkbenchError(f"trainer.{key} is derived by the workbench",
+                                           f"set {DERIVED_TRAINER_KEYS[key]} instead and drop trainer.{key}"))
+        elif key not in grpo:
+            problems.append(WorkbenchError(f"unknown recipe key 'trainer.{key}' (not a trl.GRPOConfig argument)",
+                                           _closest(key, grpo)))
+        elif (why := trl_fields.type_problem(key, value)) is not None:
+            problems.append(WorkbenchError(f"trainer.{key} {why}", f"give trainer.{key} a value of that type"))
+    for key in ("max_completion_length", "num_generations", "per_device_train_batch_size", "max_steps",
+                "gradient_accumulation_steps", "steps_per_generation", "save_steps", "logging_steps"):
+        value = recipe.trainer.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            low = 2 if key == "num_generations" else (-1 if key == "max_steps" else 1)
+            if value < low and not (key == "max_steps" and value == -1):
+                problems.append(WorkbenchError(f"trainer.{key} is {value!r}",
+                                               f"set trainer.{key} to {low} or more"))
+    if isinstance(recipe.trainer.get("learning_rate"), (int, float)) and recipe.trainer["learning_rate"] <= 0:
+        problems.append(WorkbenchError(f"trainer.learning_rate is {recipe.trainer['learning_rate']!r}",
+                                       "set a positive learning rate, e.g. 1e-6"))
     from workbench.tasks import rewards
 
-    for name, weight in recipe.rewards.items():
-        rewards.get(name)
+    if not recipe.rewards:
+        problems.append(WorkbenchError("rewards is empty", "name at least one reward, e.g. correctness: 1.0"))
+    for name in recipe.rewards:
+        try:
+            rewards.get(name)
+        except WorkbenchError as exc:
+            problems.append(WorkbenchError(f"rewards.{name}: {exc.cause}", exc.fix))
     choices = {
         "server.mode": (recipe.server.mode, ("managed", "attach", "off")),
         "server.weight_sync": (recipe.server.weight_sync, ("auto", "nccl", "hccl", "reload", "none")),
         "devices.platform": (recipe.devices.platform, ("auto", "cpu", "cuda", "npu")),
         "eval.endpoint": (recipe.eval.endpoint, ("chat", "completions")),
         "model.dtype": (recipe.model.dtype, ("auto", "float32", "bfloat16", "float16")),
+        "model.tiny.lr_schedule": (recipe.model.tiny.lr_schedule, ("cosine", "constant")),
         "distributed.strategy": (recipe.distributed.strategy, ("ddp", "deepspeed", "fsdp")),
         "distributed.mixed_precision": (recipe.distributed.mixed_precision, ("auto", "no", "bf16", "fp16")),
         "distributed.zero_stage": (recipe.distributed.zero_stage, (1, 2, 3)),
     }
     for where, (value, allowed) in choices.items():
         if value not in allowed:
-            raise WorkbenchError(f"{where} is {value!r}", f"use one of: {', '.join(allowed)}")
+            problems.append(WorkbenchError(f"{where} is {value!r}", f"use one of: {', '.join(map(str, allowed))}"))
     dist = recipe.distributed
     if dist.processes is not None and dist.processes < 1:
-        raise WorkbenchError(f"distributed.processes is {dist.processes}", "use 1 or more, or null for one per device")
+        problems.append(WorkbenchError(f"distributed.processes is {dist.processes}",
+                                       "use 1 or more, or null for one per device"))
     if dist.nodes < 1 or not 0 <= dist.node_rank < dist.nodes:
-        raise WorkbenchError(f"distributed.node_rank={dist.node_rank} with distributed.nodes={dist.nodes}",
-                             "node_rank counts from 0 to nodes - 1")
+        problems.append(WorkbenchError(f"distributed.node_rank={dist.node_rank} with distributed.nodes={dist.nodes}",
+                                       "node_rank counts from 0 to nodes - 1"))
     if recipe.server.mode == "attach" and not recipe.server.url:
-        raise WorkbenchError("server.mode is 'attach' but server.url is not set",
-                             "set server.url to the running server, e.g. http://127.0.0.1:8000")
-    needed = recipe.data.max_prompt_length + recipe.max_completion_length
-    if recipe.server.mode != "off" and recipe.server.max_model_len < needed:
-        raise WorkbenchError(
+        problems.append(WorkbenchError("server.mode is 'attach' but server.url is not set",
+                                       "set server.url to the running server, e.g. http://127.0.0.1:8000"))
+    problems += _ranges(recipe)
+    problems += _data(recipe)
+    try:
+        completion = recipe.max_completion_length
+    except (TypeError, ValueError):  # already reported as a type problem above
+        completion = None
+    needed = recipe.data.max_prompt_length + completion if completion is not None else None
+    if needed is not None and recipe.server.mode != "off" and recipe.server.max_model_len < needed:
+        problems.append(WorkbenchError(
             f"server.max_model_len={recipe.server.max_model_len} is smaller than data.max_prompt_length "
-            f"({recipe.data.max_prompt_length}) + trainer.max_completion_length ({recipe.max_completion_length}) = {needed}",
-            f"set server.max_model_len to at least {needed} (the server would reject long requests with HTTP 400)")
+            f"({recipe.data.max_prompt_length}) + trainer.max_completion_length ({completion}) = {needed}",
+            f"set server.max_model_len to at least {needed} (the server would reject long requests with HTTP 400)"))
     platform = recipe.devices.platform
     # Server and trainer cards must differ only where both start on one node: checked by `workbench train`
     # (training.train.check_device_split), not here, so the server node of a two-node recipe can `workbench serve`.
     if recipe.server.mode == "managed" and platform in ("cuda", "npu"):
         tp_dp = recipe.server.tensor_parallel_size * recipe.server.data_parallel_size
         if tp_dp != len(recipe.devices.server):
-            raise WorkbenchError(
+            problems.append(WorkbenchError(
                 f"server.tensor_parallel_size × data_parallel_size = {tp_dp} but devices.server lists "
                 f"{len(recipe.devices.server)} devices",
-                "make the server's parallel sizes multiply to the number of server devices")
+                "make the server's parallel sizes multiply to the number of server devices"))
+    if raise_first and problems:
+        raise problems[0]
+    return problems
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -161,8 +161,12 @@ def model_path(recipe: Recipe) -> str:
 def _roles(recipe: Recipe, platform: str, sync: str) -> tuple[Role, Role]:
     from workbench.platform import compat
 
+    from workbench.secrets import REDACTED
+
     d = recipe.devices
-    server_env, trainer_env = dict(d.env), dict(d.env)
+    # a run directory's recipe copy has secrets redacted: those variables come from the inherited environment
+    server_env, trainer_env = ({k: v for k, v in d.env.items() if v != REDACTED},) * 2
+    trainer_env = dict(trainer_env)
     if platform == "npu" and sync == "hccl":
         needed = compat.capability_env("hccl_engine")
         clash = {k: v for k, v in needed.items() if k in {**d.env, **recipe.server.env}
@@ -173,7 +177,7 @@ def _roles(recipe: Recipe, platform: str, sync: str) -> tuple[Role, Role]:
                                  f"HCCL weight sync needs {name}={value} (vllm-ascend refuses weight updates otherwise)",
                                  f"drop {name} from devices.env / server.env")
         server_env.update(needed)
-    server_env.update(recipe.server.env)
+    server_env.update({k: v for k, v in recipe.server.env.items() if v != REDACTED})
     if platform == "cpu":
         cores = ",".join(str(c) for c in d.server)
         server_env["VLLM_CPU_OMP_THREADS_BIND"] = cores

@@ -78,7 +78,10 @@ class ServerConfig:
     api_key_env: str | None = None  # name of the environment variable holding the API key, never the key
     startup_timeout_s: float = 300.0
     weight_sync: str = "auto"  # auto | nccl | hccl | reload | none
-    sync_dir: str | None = None  # reload adapter's directory; default under /dev/shm
+    sync_dir: str | None = None  # reload adapter's directory (only the workbench's files in it); default /dev/shm
+    allow_remote_weight_updates: bool = False  # a non-loopback host that takes weight pushes: opt in, with a key
+    max_restarts: int = 2  # a server that dies or hangs during training is restarted this often, then the run stops
+    request_timeout_s: float = 600.0  # a generation request unanswered this long counts as a hung server
     extra_args: list[str] = field(default_factory=list)  # more vLLM flags, passed as they are
     env: dict[str, str] = field(default_factory=dict)  # more environment variables for the server only
 
@@ -111,6 +114,11 @@ class MonitorConfig:
     sample_interval_s: float = 1.0  # device and server sampling period
     dashboard: bool = True
     completions_shown: int = 4
+    # weight-parity canary: every N optimizer steps (0 = off) a fixed probe set is scored by the server and by the
+    # trainer right after a weight push; the gap is mean |log p_server - log p_trainer| per token
+    canary_every: int = 10
+    canary_warn_gap: float | None = None  # None: 2e-3 nats/token in float32, 0.05 in 16-bit
+    canary_stop_gap: float | None = None  # None: 0.02 in float32, 0.5 in 16-bit; above it the run stops
 
 
 @dataclass

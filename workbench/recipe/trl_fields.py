@@ -92,18 +92,51 @@ def _class_fields(module: str, class_name: str, seen: set) -> dict[str, Any]:
             annotation = ast.unparse(node.annotation)
             if annotation.startswith(("ClassVar", "typing.ClassVar")):
                 continue
-            fields[node.target.id] = _default(node.value)
+            fields[node.target.id] = (_default(node.value), annotation)
     return fields
 
 
 @functools.lru_cache(maxsize=1)
-def fields() -> dict[str, Any]:
-    """GRPOConfig's argument names mapped to their literal defaults (MISSING where not a literal)."""
+def _read() -> dict[str, tuple[Any, str]]:
     found = _class_fields("trl.trainer.grpo_config", "GRPOConfig", set())
     if "num_generations" not in found or "learning_rate" not in found:
         raise WorkbenchError("cannot read trl.GRPOConfig's arguments from the installed TRL",
                              "install the project (make install): TRL 1.16 is required")
     return found
+
+
+def fields() -> dict[str, Any]:
+    """GRPOConfig's argument names mapped to their literal defaults (MISSING where not a literal)."""
+    return {name: default for name, (default, _) in _read().items()}
+
+
+def annotation(name: str) -> str:
+    """The field's type annotation as written in the source, e.g. 'int | None'."""
+    return _read()[name][1]
+
+
+# What a YAML value of each annotated type may be. Names not listed (enums such as SchedulerType) take strings.
+_ACCEPTS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "None": (type(None),),
+            "list": (list,), "dict": (dict,), "Any": (object,)}
+
+
+def type_problem(name: str, value: Any) -> str | None:
+    """Why `value` cannot be GRPOConfig's `name` (its annotation, read from the source), or None when it can.
+
+    A YAML float where an int is declared (`max_steps: 1e3`) and a string where a number is declared
+    (`max_completion_length: abc`) are caught here, before TRL or the model is loaded."""
+    wanted = annotation(name)
+    for option in (part.strip() for part in wanted.split("|")):
+        base = option.split("[", 1)[0]
+        if option == "Literal[False]":
+            if value is False:
+                return None
+            continue
+        accepted = _ACCEPTS.get(base, (str,))
+        if bool in accepted or not isinstance(value, bool):  # True is an int to Python, not to a recipe
+            if isinstance(value, accepted):
+                return None
+    return f"is {value!r} ({type(value).__name__}), trl.GRPOConfig declares {wanted}"
 
 
 def names() -> set[str]:

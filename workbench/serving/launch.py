@@ -4,12 +4,24 @@
     from workbench.serving import launch
     rr = recipe.resolve(recipe.load("cpu-tiny"))
     launch.command(rr, model_path)      # vllm serve ... (CPU: python -m workbench.serving.vllm_cpu serve ...)
-    launch.environment(rr)              # os.environ + the server role's variables (+ VLLM_API_KEY)
+    launch.environment(rr, for_training=True)   # os.environ + the server role's variables (+ VLLM_API_KEY, dev mode)
 
 `vllm serve` on CUDA and Ascend, the workbench's launcher on the CPU build (see vllm_cpu.py), with the recipe's
 served name, lengths, parallel sizes and the server role's devices (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES
-/ CPU cores, from the resolved recipe). `VLLM_SERVER_DEV_MODE=1` is always set: TRL reads /server_info, and the
-reload weight sync uses /collective_rpc. The API key travels in VLLM_API_KEY, never on the command line.
+/ CPU cores, from the resolved recipe). The API key travels in VLLM_API_KEY, never on the command line.
+
+`VLLM_SERVER_DEV_MODE=1` is set only for a server a trainer uses (`for_training=True`: the training stage's server,
+and `workbench serve --for-training`, the server a trainer on another node attaches to). In vLLM 0.32 it turns on,
+without any authentication (the API key guards /v1, /v2, /inference and /cohere only):
+    /server_info, /reset_prefix_cache (+ mm/encoder caches), /collective_rpc, /sleep, /wake_up, ...  (dev routers)
+    /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update, /get_world_size,
+    /pause, /resume, /weight_info, ...                                                           (RL router)
+(vllm/entrypoints/launchers/api_server/routers.py). TRL reads /server_info and /get_world_size and resets the prefix
+cache after each push, the reload sync calls /collective_rpc, nccl/hccl the weight-transfer routes; also with
+server.weight_sync=none, TRL still needs /server_info and /reset_prefix_cache. A server that only serves (evaluation,
+the serving sweep, plain `workbench serve`) gets none of them. So a server on a network address that a trainer uses
+needs server.allow_remote_weight_updates=true and an API key (`check_exposure`), and `server.extra_args` cannot
+override what the workbench sets and checks (`check_extra_args`).
 """
 from __future__ import annotations
 
@@ -66,16 +78,25 @@ def command(rr: Resolved, model_path: str) -> list[str]:
     return cmd + list(s.extra_args)
 
 
-def environment(rr: Resolved) -> dict[str, str]:
-    """Environment for the server process: this one's, plus the server role's variables and the API key."""
+def environment(rr: Resolved, for_training: bool = False) -> dict[str, str]:
+    """Environment for the server process: this one's, plus the server role's variables and the API key; with
+    `for_training`, vLLM's development endpoints too (VLLM_SERVER_DEV_MODE=1, see the module docstring)."""
+    from workbench.secrets import REDACTED
+
     env = dict(os.environ)
     # Importing TRL sets VLLM_LOGGING_LEVEL=ERROR in this process unless it is set (trl/_compat.py, to quiet its own
     # vLLM): inherited, the server would log no INFO or WARNING line at all (start-up, engine, memory warnings).
     # A level set in server.env still applies.
     if env.get("VLLM_LOGGING_LEVEL") == "ERROR" and "trl" in sys.modules:
         del env["VLLM_LOGGING_LEVEL"]
-    env.update(rr.server.env)
-    env["VLLM_SERVER_DEV_MODE"] = "1"
+    # A run's copied recipe.yaml has secret-looking values redacted (workbench/secrets.py): the placeholder must not
+    # become the server's value; the variable inherited from this process (if any) applies instead.
+    env.update({name: value for name, value in rr.server.env.items() if value != REDACTED})
+    if for_training:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    else:
+        # unauthenticated weight-update endpoints only where a trainer needs them, never inherited by accident
+        env.pop("VLLM_SERVER_DEV_MODE", None)
     if rr.api_key:
         env["VLLM_API_KEY"] = rr.api_key
     return env
@@ -108,19 +129,63 @@ def check_port_free(host: str, port: int) -> None:
                                  "stop that process, or choose another port with server.port=<free port>") from None
 
 
-def check_exposure(rr: Resolved) -> None:
-    """Weight-update endpoints on a network address need at least an API key."""
-    host = rr.recipe.server.host
+# Flags the workbench sets itself, and what to set instead: the health check, the clients, the exposure check and
+# the weight sync all read these from the recipe, so a second value in extra_args would silently disagree with them.
+RESERVED_FLAGS = {
+    "--host": "server.host",
+    "--port": "server.port",
+    "--uds": "server.host / server.port",
+    "--api-key": "server.api_key_env (the name of a variable holding the key)",
+    "--served-model-name": "server.served_model_name",
+    "--max-model-len": "server.max_model_len",
+    "--weight-transfer-config": "server.weight_sync",
+}
+
+
+def _flag_name(arg: str) -> str:
+    """`--api_key=x`, `--weight-transfer-config.backend` -> the option vLLM's parser sees (`--api-key`, ...)."""
+    option = arg.split("=", 1)[0][2:].split(".", 1)[0]  # vLLM: dotted JSON sub-keys, underscores read as dashes
+    return "--" + option.replace("_", "-")
+
+
+def check_extra_args(rr: Resolved) -> None:
+    """server.extra_args may add vLLM flags, never replace the address, the key, the names and lengths the
+    workbench checks, or the weight-transfer engine it sets from server.weight_sync."""
+    for arg in rr.recipe.server.extra_args:
+        arg = str(arg)
+        if not arg.startswith("--") or len(arg) <= 2:
+            continue
+        name = _flag_name(arg)
+        for flag, knob in RESERVED_FLAGS.items():
+            # argparse also takes an unambiguous prefix (`--hos` for `--host`)
+            if name == flag or (len(name) >= 5 and flag.startswith(name)):
+                raise WorkbenchError(f"server.extra_args contains {arg!r}, which would override {flag} that the "
+                                     "workbench sets (and its checks and clients rely on)",
+                                     f"remove it from server.extra_args and set {knob} instead")
+
+
+def check_exposure(rr: Resolved, for_training: bool = False) -> None:
+    """A server on a network address needs an API key; one a trainer uses (its weight-update endpoints, which no
+    key guards, are on) also needs server.allow_remote_weight_updates=true."""
+    s = rr.recipe.server
+    host = s.host
     if is_loopback(host):
         return
-    if not rr.api_key:
+    if for_training and not s.allow_remote_weight_updates:
         raise WorkbenchError(
-            f"server.host={host} exposes the server beyond this machine, with weight-update endpoints "
-            "(/collective_rpc, /update_weights) enabled and no API key",
+            f"server.host={host} exposes the training server's weight-update endpoints (/collective_rpc, "
+            "/update_weights, /init_weight_transfer_engine; no API key guards them) beyond this machine",
+            "keep server.host=127.0.0.1, or set server.allow_remote_weight_updates=true and server.api_key_env, "
+            "and firewall the port to the trainer hosts")
+    if not rr.api_key:
+        what = "with weight-update endpoints enabled and " if for_training else "with "
+        raise WorkbenchError(
+            f"server.host={host} exposes the server beyond this machine, {what}no API key",
             "keep server.host=127.0.0.1, or set server.api_key_env to the name of an environment variable that "
-            "holds a key (and firewall the port: vLLM's key guards /v1 routes only)")
-    print(f"warning: server.host={host}: vLLM's API key guards /v1 routes only; its weight-update endpoints stay "
-          "reachable from the network, so firewall the port to the trainer hosts", file=sys.stderr)
+            "holds a key" + (" (and firewall the port: vLLM's key guards /v1 routes only)" if for_training else ""))
+    if for_training:
+        print(f"warning: server.host={host}: vLLM's API key guards /v1 routes only; its weight-update endpoints stay "
+              "reachable from the network, so firewall the port to the trainer hosts", file=sys.stderr)
 
 
 def check_cpu_cores(rr: Resolved) -> None:

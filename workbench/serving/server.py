@@ -7,6 +7,11 @@
         client.chat(rr, "What is 12 + 34?")
 
     workbench serve --recipe cpu-tiny              # the same from the shell; Ctrl-C stops it
+    workbench serve --recipe R --for-training      # a server a trainer (on another node) attaches to
+
+A server a trainer uses is started with `for_training=True` (the training stage does): only it gets vLLM's
+development and weight-update endpoints (VLLM_SERVER_DEV_MODE=1, see launch.py); evaluation and the serving sweep
+start servers without them.
 
 The command line and environment come from launch.py. The server runs in its own process group with its log in
 the stage's directory. `stop()` ends the whole group; so does the exit of this Python process (atexit) and,
@@ -108,8 +113,9 @@ class VLLMServer:
     """A vLLM server for one recipe: started (or attached to), verified, and always stopped."""
 
     def __init__(self, rr: Resolved, model_path: str | None = None, log_dir: str | Path | None = None,
-                 quiet: bool = False):
+                 quiet: bool = False, for_training: bool = False):
         self.rr = rr
+        self.for_training = for_training  # a trainer uses it: weight-update endpoints on (launch.environment)
         self.recipe = rr.recipe
         self.model_path = model_path
         self.log_dir = Path(log_dir) if log_dir else None
@@ -121,7 +127,7 @@ class VLLMServer:
         self.startup_seconds: float | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------
-    def start(self) -> "VLLMServer":
+    def start(self, restarting: bool = False) -> "VLLMServer":
         if self.recipe.server.mode == "attach":
             self.model_entry = client.verify(self.rr)
             return self
@@ -131,10 +137,13 @@ class VLLMServer:
         if not self.model_path:
             raise WorkbenchError("no model path given to the server", "pass the policy's directory")
         s = self.recipe.server
-        launch.check_exposure(self.rr)
+        launch.check_extra_args(self.rr)
+        launch.check_exposure(self.rr, for_training=self.for_training)
         launch.check_port_free(s.host, s.port)
         if self.rr.platform == "cpu":
-            launch.check_cpu_cores(self.rr)
+            # a restart runs inside the training, pinned to the trainer's cores: the first start checked them
+            if not restarting:
+                launch.check_cpu_cores(self.rr)
         log_dir = self.log_dir or Path(self.recipe.monitor.runs_dir) / "servers"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = server_log(log_dir, s.port)
@@ -144,7 +153,9 @@ class VLLMServer:
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=launch.environment(self.rr),
+                                            # the launcher ends the server with this process (vllm_cpu.py)
+                                            env={**launch.environment(self.rr, for_training=self.for_training),
+                                                 "WORKBENCH_PARENT_PID": str(os.getpid())},
                                             preexec_fn=child_setup(cores))
         _LIVE.add(self)
         try:
@@ -180,6 +191,16 @@ class VLLMServer:
                                      f"{self.log_path}:\n{tail}\n",
                                      f"raise server.startup_timeout_s if it is still loading; likely cause: {likely_cause(tail)}")
             time.sleep(1.0)
+
+    def restart(self) -> float | None:
+        """Stop whatever is left of the server, keep its log beside the new one, start it again with the same
+        recipe and model (a training run then pushes its current weights: see workbench/training/recovery.py)."""
+        self.stop(timeout=10)
+        self.restarts = getattr(self, "restarts", 0) + 1
+        if self.log_path and self.log_path.exists():
+            self.log_path.rename(self.log_path.with_name(f"{self.log_path.stem}.before-restart-{self.restarts}.log"))
+        self.start(restarting=True)
+        return self.startup_seconds
 
     def log_tail(self, lines: int = 25) -> str:
         if not self.log_path or not self.log_path.exists():
@@ -271,10 +292,11 @@ def _stop_all() -> None:
         srv.stop(timeout=10)
 
 
-def serve_forever(rr: Resolved, model_path: str, log_dir: Path) -> None:
-    """`workbench serve`: start, print how to reach it, and hold until Ctrl-C or SIGTERM."""
+def serve_forever(rr: Resolved, model_path: str, log_dir: Path, for_training: bool = False) -> None:
+    """`workbench serve`: start, print how to reach it, and hold until Ctrl-C or SIGTERM. `for_training`: the
+    server a trainer attaches to (`--for-training`), with the weight-update endpoints on."""
     recipe = rr.recipe
-    srv = VLLMServer(rr, model_path, log_dir)
+    srv = VLLMServer(rr, model_path, log_dir, for_training=for_training)
 
     def terminate(*_):
         raise KeyboardInterrupt

@@ -22,6 +22,7 @@ cache. Every push is timed; `WeightSync.records` keeps (seconds, bytes) for the 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -149,24 +150,33 @@ class ReloadSync(WeightSync):
     vLLM's layer-wise reload re-creates each layer's tensors, which unties tied weights: an lm_head that is not in
     the file keeps the *initial* embedding while the input embedding moves on (measured: logprobs off by 0.16 nats
     a token after one step at lr 3e-3). So tied aliases (`aliases`, see `tied_aliases`) are written out explicitly.
+
+    A given directory (`server.sync_dir`) is made 0700 when missing and must hold nothing but the adapter's own files
+    (`OWN_FILES`; a stale copy from an earlier run is replaced): anything else is refused at `connect`, never deleted.
+    `close` removes the adapter's files, and the directory too when the adapter made it and it is empty.
     """
 
     name = "reload"
     FILE = "model.safetensors"
+    OWN_FILES = (FILE, FILE + ".partial")  # every name the adapter writes; nothing else in a given sync_dir is its own
+    SHOWN = 5  # foreign files named in the refusal
 
     def __init__(self, directory: str | Path | None = None, aliases: dict[str, str] | None = None) -> None:
         super().__init__()
         self.aliases = dict(aliases or {})
         self.given = Path(directory) if directory else None
+        self._made_given = False  # the given directory did not exist: the adapter made it (and removes it, if empty)
         self._own: Path | None = None  # the RAM-disk directory this adapter made (and removes)
         self._cleanup = None
 
     @property
     def directory(self) -> Path:
         """Where the weights go: the given sync_dir, or a directory of this process on the RAM disk, made on first
-        use (only the rank that pushes makes one: the others never write)."""
+        use (only the rank that pushes makes one: the others never write). Both are private (0700): they hold a
+        full copy of the policy's weights."""
         if self.given is not None:
-            self.given.mkdir(parents=True, exist_ok=True)
+            if not self.given.is_dir():
+                self._make_given()
             return self.given
         if self._own is None:
             base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -177,10 +187,40 @@ class ReloadSync(WeightSync):
             self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._own), True)
         return self._own
 
+    def _make_given(self) -> None:
+        try:
+            self.given.mkdir(parents=True, mode=0o700)
+        except FileExistsError:
+            if not self.given.is_dir():
+                raise WorkbenchError(f"server.sync_dir {self.given} exists and is not a directory",
+                                     "point server.sync_dir at an empty directory, or leave it unset to use a "
+                                     "private RAM-disk directory") from None
+            return  # made by someone else meanwhile: theirs, never removed by close()
+        os.chmod(self.given, 0o700)  # mkdir's mode is masked by the umask; this is the mode, whatever the umask
+        self._made_given = True
+
+    def check_given(self, directory: Path) -> None:
+        """A given sync_dir holds the adapter's own files only. vLLM loads every *.safetensors in the directory it
+        reloads from, so any other weights file would be loaded too; and the workbench deletes only what it wrote,
+        so it refuses the directory instead of clearing it."""
+        # .nfs* files are an NFS client's placeholders for a deleted file still open (our previous weights, held by
+        # a server): nobody can remove them, vLLM ignores them, and they vanish when the server lets go
+        foreign = sorted(p.name for p in directory.iterdir()
+                         if p.name not in self.OWN_FILES and not p.name.startswith(".nfs"))
+        if foreign:
+            shown = ", ".join(foreign[:self.SHOWN]) + (f" and {len(foreign) - self.SHOWN} more"
+                                                       if len(foreign) > self.SHOWN else "")
+            raise WorkbenchError(f"server.sync_dir {directory} holds files the workbench did not write ({shown}): the "
+                                 "server would load any weights among them, and the workbench deletes only its own",
+                                 "point server.sync_dir at an empty directory, or leave it unset to use a private "
+                                 "RAM-disk directory")
+        for name in self.OWN_FILES:  # an earlier run's weights (a killed run's partial write): ours to remove
+            (directory / name).unlink(missing_ok=True)
+
     def connect(self, client, device) -> None:
-        # vLLM loads every *.safetensors in the directory: a stale file from another run would be loaded too.
-        for stale in list(self.directory.glob("*.safetensors")) + list(self.directory.glob("*.index.json")):
-            stale.unlink()
+        directory = self.directory
+        if self.given is not None:
+            self.check_given(directory)
         client.get_server_info()  # raises with a clear hint when the server lacks VLLM_SERVER_DEV_MODE=1
 
     def send(self, client, metadata, named_params) -> int:
@@ -206,8 +246,14 @@ class ReloadSync(WeightSync):
             self._cleanup()
             self._own, self._cleanup = None, None
         elif self.given is not None:  # the user's directory: only what we wrote
-            for leftover in self.given.glob(self.FILE + "*"):
-                leftover.unlink(missing_ok=True)
+            for name in self.OWN_FILES:
+                (self.given / name).unlink(missing_ok=True)
+            if self._made_given:  # made by us: removed too, unless something else was put in it meanwhile
+                try:
+                    self.given.rmdir()
+                    self._made_given = False
+                except OSError:
+                    pass
 
 
 class NcclSync(WeightSync):
@@ -449,11 +495,31 @@ class SyncingVLLMClient(VLLMClient):
     and `reset_prefix_cache` after it; generation requests are TRL's own.
     """
 
-    def __init__(self, *args, weight_sync: WeightSync, headers: dict[str, str] | None = None, **kwargs):
+    def __init__(self, *args, weight_sync: WeightSync, headers: dict[str, str] | None = None,
+                 request_timeout: float | None = None, **kwargs):
         self.weight_sync = weight_sync
         self._auth = dict(headers or {})
+        self.recovery = None  # set by the trainer: restarts a dead or hung server and re-pushes the weights
+        self.device = None
         super().__init__(*args, **kwargs)
         self.session.headers.update(self._auth)  # TRL also calls self.session directly (/server_info)
+        if request_timeout:
+            # TRL's requests carry no timeout: a hung server would hang the run forever. A call's own timeout wins.
+            self.session.request = functools.partial(self.session.request, timeout=request_timeout)
+
+    def _recovering(self, what: str, call):
+        """`call()`; when it fails because the server died or hung, let `recovery` restart the server and
+        re-push the weights, then try again (the recovery bounds the restarts and raises when it gives up)."""
+        while True:
+            try:
+                return call()
+            except Exception as exc:
+                if self.recovery is None:
+                    raise
+                self.recovery.handle(self, what, exc)  # re-raises what is not a server fault
+
+    def generate(self, *args, **kwargs):
+        return self._recovering("generation", lambda: VLLMClient.generate(self, *args, **kwargs))
 
     # vLLM's dev endpoints answer with JSON or, in some releases, an empty 200 (/reset_prefix_cache before 0.26,
     # /collective_rpc when no worker returns anything): both mean success; TRL's own helpers parse every body.
@@ -464,10 +530,16 @@ class SyncingVLLMClient(VLLMClient):
         return _json_or_empty(self.session.post(url, **kwargs))
 
     def init_communicator(self, device: torch.device | str | int = 0) -> None:
+        self.device = device
         self.weight_sync.connect(self, device)
 
     def update_named_params(self, metadata: Metadata, named_params: NamedParams) -> None:
-        self.weight_sync.push(self, metadata, named_params)
+        try:
+            self.weight_sync.push(self, metadata, named_params)
+        except Exception as exc:
+            if self.recovery is None:
+                raise
+            self.recovery.handle(self, "weight push", exc)  # a restart re-pushes the current weights itself
 
     def close_communicator(self) -> None:
         self.weight_sync.close(self)
@@ -476,7 +548,7 @@ class SyncingVLLMClient(VLLMClient):
         # TRL ignores {"success": false}; a cache that still holds old-policy prefixes would silently go off-policy.
         # An empty body (vLLM < 0.26) is a success: it would have been a 4xx/5xx otherwise.
         for attempt in range(3):
-            answer = self._post(f"{self.base_url}/reset_prefix_cache")
+            answer = self._recovering("prefix-cache reset", lambda: self._post(f"{self.base_url}/reset_prefix_cache"))
             if answer.get("success", True):
                 return
             time.sleep(0.2 * (attempt + 1))

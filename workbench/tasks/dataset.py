@@ -71,7 +71,7 @@ DATASETS: dict[str, dict[str, Any]] = {
     },
 }
 KNOWN = ("arithmetic", *DATASETS)
-_FIELD_KEYS = ("question", "answer", "id")
+FIELD_KEYS = ("question", "answer", "id")
 _HUB_PROBE_TIMEOUT_S = 3
 
 
@@ -207,10 +207,10 @@ def _arithmetic(split: str, path: str | None, limit: int | None, seed: int, held
 
 
 def _field_map(name: str, defaults: dict, fields: dict | None) -> dict:
-    unknown = sorted(set(fields or {}) - set(_FIELD_KEYS))
+    unknown = sorted(set(fields or {}) - set(FIELD_KEYS))
     if unknown:
         raise WorkbenchError(f"data.fields for {name!r} has unknown keys {unknown}",
-                             f"use only {', '.join(_FIELD_KEYS)} as keys, each naming a column of the file")
+                             f"use only {', '.join(FIELD_KEYS)} as keys, each naming a column of the file")
     return {**defaults, **(fields or {})}
 
 

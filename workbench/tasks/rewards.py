@@ -12,6 +12,8 @@ counting it as wrong. Scores are 0/1; the recipe's `rewards:` section gives each
 """
 from __future__ import annotations
 
+import functools
+import math
 import re
 import threading
 from typing import Callable
@@ -43,6 +45,59 @@ def get(name: str) -> RewardFn:
     if name not in REGISTRY:
         raise WorkbenchError(f"unknown reward {name!r}", f"use one of: {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name]
+
+
+class RewardFailure(WorkbenchError):
+    """A reward function raised, or returned something that is not a finite score (or None), during training."""
+
+
+def _sample(prompts, completions, columns: dict, i: int) -> str:
+    prompt = prompts[i] if prompts is not None and i < len(prompts) else None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        prompt = prompt[-1].get("content")
+    gold = {k: v[i] for k, v in columns.items() if isinstance(v, list) and i < len(v) and k in ("answer", "id")}
+    return f"sample {i}: prompt {str(prompt)[:120]!r}, completion {completion_text(completions[i])[:160]!r}" + (
+        f", {gold}" if gold else "")
+
+
+def guarded(name: str) -> RewardFn:
+    """The registered reward `name`, stopping the run with its name and the offending sample when it raises or
+    returns a score that is not a finite number or None: training on NaN advantages silently ruins the policy.
+
+    TRL names the reward's metrics after `__name__`; the wrapper keeps it."""
+    fn = get(name)
+
+    @functools.wraps(fn)
+    def checked(prompts, completions, **columns):
+        try:
+            scores = fn(prompts, completions, **columns)
+        except Exception as exc:
+            # find the first sample that raises on its own, so the message points at it
+            for i in range(len(completions)):
+                one = {k: [v[i]] if isinstance(v, list) and i < len(v) else v for k, v in columns.items()}
+                try:
+                    fn([prompts[i]] if prompts is not None else None, [completions[i]], **one)
+                except Exception:
+                    raise RewardFailure(f"reward {name!r} raised {type(exc).__name__}: {str(exc)[:200]} on "
+                                        f"{_sample(prompts, completions, columns, i)}",
+                                        "fix the reward function (or return None for what it cannot score); the "
+                                        "run stopped rather than train on it") from exc
+            raise RewardFailure(f"reward {name!r} raised {type(exc).__name__}: {str(exc)[:200]} on a batch of "
+                                f"{len(completions)}", "fix the reward function") from exc
+        if not isinstance(scores, list) or len(scores) != len(completions):
+            raise RewardFailure(f"reward {name!r} returned {type(scores).__name__} of length "
+                                f"{len(scores) if hasattr(scores, '__len__') else '?'} for {len(completions)} "
+                                "completions", "return a list with one score (or None) per completion")
+        for i, value in enumerate(scores):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RewardFailure(f"reward {name!r} returned {value!r} for {_sample(prompts, completions, columns, i)}",
+                                    "return a finite number, or None for a completion it cannot score; the run "
+                                    "stopped rather than train on it")
+        return scores
+
+    return checked
 
 
 def completion_text(completion) -> str:

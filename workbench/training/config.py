@@ -10,6 +10,7 @@ TRL's own cross-field rules; its errors come back as one line.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 from workbench.errors import WorkbenchError
@@ -65,3 +66,66 @@ def grpo_config(rr: Resolved, output_dir: str):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise WorkbenchError(f"trl.GRPOConfig rejects the trainer section: {first}",
                                  "change the trainer keys it names (see `workbench recipe show`)") from None
+
+
+def preflight(rr: Resolved) -> None:
+    """Everything about the training that can be checked before a model is built or a server starts: the real
+    GRPOConfig, TRL's batch divisibility rules for the run's real number of trainer processes (the config built
+    here sees one), the training rows and the reward functions. Every problem at once, as one error."""
+    from workbench.recipe.load import RecipeProblems
+    from workbench.tasks import dataset, rewards
+
+    problems: list[WorkbenchError] = []
+    args = None
+    try:
+        args = grpo_config(rr, f"{rr.recipe.monitor.runs_dir}/<run-id>")
+    except WorkbenchError as exc:
+        problems.append(exc)
+    if args is not None:
+        world = rr.trainer_processes * rr.recipe.distributed.nodes
+        per_step = args.per_device_train_batch_size * world
+        explicit = rr.recipe.trainer.get("generation_batch_size")
+        if explicit is not None and explicit % per_step:
+            problems.append(WorkbenchError(
+                f"trainer.generation_batch_size={explicit} is not divisible by per_device_train_batch_size "
+                f"({args.per_device_train_batch_size}) × {world} trainer process(es) = {per_step}",
+                f"make it a multiple of {per_step}"))
+        generation = explicit or per_step * args.steps_per_generation
+        if generation % args.num_generations:
+            problems.append(WorkbenchError(
+                f"each generation batch holds {generation} completions (per_device_train_batch_size "
+                f"{args.per_device_train_batch_size} × {world} process(es) × steps_per_generation "
+                f"{args.steps_per_generation}), not divisible by num_generations={args.num_generations}",
+                "make the batch a multiple of num_generations (change per_device_train_batch_size, "
+                "steps_per_generation or num_generations)"))
+    try:
+        dataset.recipe_rows(rr.recipe)
+    except WorkbenchError as exc:
+        problems.append(exc)
+    for name in rr.recipe.rewards:
+        try:
+            rewards.get(name)
+        except WorkbenchError as exc:
+            problems.append(exc)
+    sync_dir = rr.recipe.server.sync_dir
+    if rr.weight_sync == "reload" and sync_dir and Path(sync_dir).is_dir():
+        from workbench.serving.sync import ReloadSync
+
+        try:
+            ReloadSync(sync_dir).check_given(Path(sync_dir))
+        except WorkbenchError as exc:
+            problems.append(exc)
+    if rr.recipe.server.mode == "managed" and rr.recipe.distributed.node_rank == 0:
+        # the server's own checks, made again when it starts: here they cost nothing yet
+        from workbench.serving import launch
+
+        server = rr.recipe.server
+        for check in (lambda: launch.check_extra_args(rr), lambda: launch.check_exposure(rr, for_training=True),
+                      lambda: launch.check_port_free(server.host, server.port),
+                      lambda: launch.check_cpu_cores(rr) if rr.platform == "cpu" else None):
+            try:
+                check()
+            except WorkbenchError as exc:
+                problems.append(exc)
+    if problems:
+        raise RecipeProblems(problems, rr.recipe.name)

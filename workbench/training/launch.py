@@ -28,11 +28,11 @@ DISTRIBUTED_TYPE = {"cuda": "MULTI_GPU", "npu": "MULTI_NPU",
                     "cpu": "MULTI_GPU"}
 
 
-def start_training(run: RunDir, extra_env: dict | None = None) -> subprocess.Popen:
-    """`workbench train --run-dir RUN` in a subprocess; its output to RUN/train/train.log."""
+def start_training(run: RunDir, extra_env: dict | None = None, resume: bool = False) -> subprocess.Popen:
+    """`workbench train --run-dir RUN` (or `--resume RUN`) in a subprocess; its output to RUN/train/train.log."""
     run.train.make()
     log = open(run.train.log, "ab")
-    cmd = [sys.executable, "-m", "workbench", "train", "--run-dir", str(run.path)]
+    cmd = [sys.executable, "-m", "workbench", "train", *(["--resume"] if resume else ["--run-dir"]), str(run.path)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     try:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

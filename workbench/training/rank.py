@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from workbench.errors import WorkbenchError
 
@@ -23,13 +24,21 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m workbench.training.rank")
     parser.add_argument("--train-dir", required=True)
+    parser.add_argument("--resume-from", help="a checkpoint directory to continue from (workbench train --resume)")
     args = parser.parse_args(argv)
     try:
         train_dir = TrainDir(args.train_dir)
         rr = recipe.resolve(recipe.load(str(train_dir.recipe)))
         model_path = tinymodel.ensure_model(rr)
         server_pid = int(os.environ["WORKBENCH_SERVER_PID"]) if os.environ.get("WORKBENCH_SERVER_PID") else None
-        run_trainer(rr, train_dir, model_path, server_pid=server_pid, server_url=rr.server_url)
+        # the server belongs to `workbench train` on node 0 (when it manages one): the main rank asks it for restarts
+        restart = None
+        if rr.recipe.server.mode == "managed" and rr.recipe.distributed.node_rank == 0:
+            from workbench.training.recovery import RestartRequest
+
+            restart = RestartRequest(train_dir, timeout=rr.recipe.server.startup_timeout_s + 60)
+        run_trainer(rr, train_dir, model_path, server_pid=server_pid, server_url=rr.server_url, restart=restart,
+                    resume_from=Path(args.resume_from) if args.resume_from else None)
     except WorkbenchError as exc:
         print(f"error (rank {os.environ.get('RANK', '?')}): {exc}", file=sys.stderr)
         return 2

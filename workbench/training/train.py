@@ -33,6 +33,7 @@ from workbench.rundir import TrainDir, write_atomic
 from workbench.serving import sync
 from workbench.serving.server import VLLMServer
 from workbench.tasks import tinymodel
+from workbench.training.recovery import serve_restart_requests
 
 
 @dataclass
@@ -47,6 +48,8 @@ class TrainSummary:
     stopped_early_at: int | None = None
     monitor: dict = field(default_factory=dict)
     processes: int = 1  # trainer ranks (all nodes)
+    restarts: int = 0  # server restarts during this training (events.jsonl has each)
+    resumed_from: int | None = None  # the checkpoint step a resumed training continued from
 
     def save(self, train_dir: TrainDir) -> Path:
         return write_atomic(train_dir.summary, json.dumps(asdict(self), indent=2))
@@ -94,19 +97,27 @@ def _rank_record(rr: Resolved, accelerator) -> dict:
 
 
 def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: int | None = None,
-                server_url: str | None = None, log=print) -> TrainSummary | None:
+                server_url: str | None = None, log=print, restart=None, resume_from: Path | None = None
+                ) -> TrainSummary | None:
     """Build the trainer against a server that already answers, train, save. Runs in the single training
-    process or in every rank under `accelerate launch`; only the main rank writes files and returns a summary."""
+    process or in every rank under `accelerate launch`; only the main rank writes files and returns a summary.
+
+    `restart` brings a dead server back (VLLMServer.restart here, a RestartRequest in a rank; None: a server fault
+    ends the run); `resume_from` is the checkpoint a resumed training continues from (see prepare_resume)."""
     from workbench.training.callbacks import JsonlMetrics, StopFlag
+    from workbench.training.canary import CanaryAlarm
+    from workbench.training.recovery import Recovery, ServerLost
     from workbench.training.trainer import build_trainer
 
     several = rr.trainer_processes > 1 or rr.recipe.distributed.nodes > 1
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if several else None
     weight_sync = sync.make(rr)
+    recovery = Recovery(rr, train_dir, restart, log=log) if restart is not None else None
     trainer = None
     try:
         with _pinned_to_trainer_cores(rr, local_rank):
-            trainer = build_trainer(rr, model_path, train_dir.checkpoints, weight_sync)
+            trainer = build_trainer(rr, model_path, train_dir.checkpoints, weight_sync, train_dir=train_dir,
+                                    recovery=recovery, log=log)
             accelerator = trainer.accelerator
             main = accelerator.is_main_process
             ranks = accelerator.gather_for_metrics([_rank_record(rr, accelerator)], use_gather_object=True)
@@ -125,7 +136,10 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
                               trainer_pid=os.getppid() if several else os.getpid(), enabled=main)
             started = time.time()
             with sampler:
-                trainer.train()
+                try:
+                    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+                except (ServerLost, CanaryAlarm) as exc:
+                    raise _stopped_with_checkpoint(trainer, train_dir, exc, several, log) from None
             train_seconds = time.time() - started
         trainer.save_model(str(train_dir.final))  # every rank: sharded weights are gathered collectively
         if not main:
@@ -134,7 +148,9 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
         summary = TrainSummary(steps=trainer.state.global_step, train_seconds=round(train_seconds, 2),
                                server_start_seconds=None, weight_sync=rr.weight_sync, platform=rr.platform,
                                final_model=str(train_dir.final), stopped_early_at=stop_flag.stopped_at,
-                               monitor=sampler.overhead(), processes=accelerator.num_processes)
+                               monitor=sampler.overhead(), processes=accelerator.num_processes,
+                               restarts=recovery.restarts if recovery else 0,
+                               resumed_from=_checkpoint_step(resume_from) if resume_from else None)
         summary.save(train_dir)
         return summary
     finally:
@@ -147,24 +163,102 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
             weight_sync.close()
 
 
-def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log) -> None:
+def _stopped_with_checkpoint(trainer, train_dir: TrainDir, exc, several: bool, log) -> Exception:
+    """A run that cannot go on (server lost, canary alarm): keep a resumable checkpoint of the trainer's state
+    when this process holds all of it, and say where to resume from."""
+    from workbench.observe.records import append_event
+
+    step = trainer.state.global_step
+    if several:  # the other ranks are blocked in a collective: only their last periodic checkpoint counts
+        where = _last_checkpoint(train_dir)
+        saved = f"resume from {where.name}" if where else "no checkpoint was saved yet"
+    else:
+        try:
+            trainer._save_checkpoint(trainer.model, trial=None)  # model, optimizer, scheduler, RNG, data position
+            saved = f"checkpoint-{step} saved"
+        except Exception as save_error:  # the original cause matters more
+            saved = f"no checkpoint ({type(save_error).__name__}: {save_error})"
+    append_event(train_dir.events, "failure", f"training stopped at step {step}: {exc.cause}; {saved}", step=step)
+    log(f"training stopped at step {step}; {saved}")
+    return type(exc)(f"{exc.cause} (training stopped at step {step}; {saved})", exc.fix)
+
+
+def _checkpoint_step(path: Path) -> int:
+    return int(Path(path).name.rsplit("-", 1)[1])
+
+
+def _last_checkpoint(train_dir: TrainDir) -> Path | None:
+    """The newest complete checkpoint (its trainer_state.json written: HF writes it last)."""
+    if not train_dir.checkpoints.is_dir():
+        return None
+    done = [p for p in train_dir.checkpoints.glob("checkpoint-*")
+            if p.name.rsplit("-", 1)[1].isdigit() and (p / "trainer_state.json").exists()]
+    return max(done, key=_checkpoint_step, default=None)
+
+
+def prepare_resume(rr: Resolved, train_dir: TrainDir, log=print) -> Path:
+    """Make a killed or stopped training continue from its newest checkpoint: what it recorded after that
+    checkpoint is dropped (metrics, canary, completions; it is trained and logged again), the stop flag is cleared,
+    the interruption is an event. Returns the checkpoint directory."""
+    from workbench.observe.records import append_event, read_jsonl, truncate_after
+
+    if not train_dir.path.is_dir():
+        raise WorkbenchError(f"{train_dir.path} does not exist", "resume a run directory that trained (runs/<id>)")
+    checkpoint = _last_checkpoint(train_dir)
+    if checkpoint is None:
+        raise WorkbenchError(f"{train_dir.checkpoints} holds no complete checkpoint to resume from",
+                             "train it anew; set trainer.save_steps to checkpoint more often")
+    step = _checkpoint_step(checkpoint)
+    max_steps = int(rr.recipe.trainer.get("max_steps", -1))
+    summary = TrainSummary.load(train_dir)
+    if summary and summary.stopped_early_at is None and summary.steps >= max_steps > 0:
+        raise WorkbenchError(f"{train_dir.path} already finished its {max_steps} steps",
+                             "raise trainer.max_steps in a new run, or resume a run that was interrupted")
+    logged = [r.get("step", 0) for r in read_jsonl(train_dir.metrics, normalised=False)]
+    reached = max(logged, default=0)
+    dropped = {path.name: truncate_after(path, step) for path in (train_dir.metrics, train_dir.canary)}
+    for parquet in train_dir.completions.glob("completions_*.parquet"):
+        digits = "".join(c for c in parquet.stem if c.isdigit())
+        if digits and int(digits) > step:
+            parquet.unlink()
+    train_dir.stop_flag.unlink(missing_ok=True)
+    train_dir.summary.unlink(missing_ok=True)
+    message = (f"resumed from checkpoint-{step}; the interrupted training had logged up to step {reached} "
+               f"({dropped[train_dir.metrics.name]} metrics line(s) after the checkpoint dropped, trained again)")
+    append_event(train_dir.events, "resume", message, step=step, reached=reached)
+    log(message)
+    return checkpoint
+
+
+def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, server=None,
+               resume_from: Path | None = None) -> None:
     """`accelerate launch` of this node's ranks against the running server; waits, and fails with the log tail."""
     from workbench.serving.server import child_setup
     from workbench.training import launch
 
     # every rank reads the recipe from disk: it must be this one
+    from workbench.rundir import recipe_text
+
     if not train_dir.recipe.exists():
-        write_atomic(train_dir.path / "recipe.yaml", rr.recipe.to_yaml())
-    elif train_dir.recipe.read_text() != rr.recipe.to_yaml():
+        write_atomic(train_dir.path / "recipe.yaml", recipe_text(rr.recipe))
+    elif train_dir.recipe.read_text() not in (recipe_text(rr.recipe), rr.recipe.to_yaml()):
         raise WorkbenchError(f"{train_dir.recipe} is not the recipe being trained",
                              "train into a new run directory, or train the recipe that run was made with")
     config = launch.write_accelerate_config(rr, train_dir)
     cmd = launch.rank_command(rr, train_dir)
+    if resume_from is not None:
+        cmd += ["--resume-from", str(resume_from)]
     log(f"trainer: {rr.trainer_processes} process(es) on this node through accelerate ({config}):\n  {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, env=launch.rank_environment(rr, server_pid), stdin=subprocess.DEVNULL,
                             preexec_fn=child_setup())
     try:
-        code = proc.wait()
+        while True:  # the main rank may ask for a server restart: this process owns the server
+            try:
+                code = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if server is not None:
+                    serve_restart_requests(train_dir, server.restart)
     except BaseException:  # Ctrl-C or a kill of this process: the ranks go too
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
@@ -183,33 +277,40 @@ def check_device_split(rr: Resolved) -> None:
                              "give devices.server and devices.trainer disjoint device ids")
 
 
-def train(rr: Resolved, train_dir: TrainDir, log=print) -> TrainSummary | None:
+def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False) -> TrainSummary | None:
     """Start (or attach to) the server, run GRPO (one process, or this node's ranks through accelerate), save the
-    final model in Hugging Face format, stop the server."""
+    final model in Hugging Face format, stop the server. `resume`: continue the training in `train_dir` from its
+    newest checkpoint (optimizer, scheduler, RNG and data position included)."""
     recipe = rr.recipe
     if recipe.server.mode == "off":
         raise WorkbenchError("server.mode is 'off'", "`workbench train` trains through a vLLM server: set it to managed or attach")
     several = rr.trainer_processes > 1 or recipe.distributed.nodes > 1
     check_device_split(rr)
+    from workbench.training.config import preflight
+
+    preflight(rr)  # the whole GRPOConfig, batch rules, data and rewards: before any model build or server start
     model_path = tinymodel.ensure_model(rr, log=log)
     tinymodel.check_tokenizer(model_path)
+    resume_from = prepare_resume(rr, train_dir, log) if resume else None
     train_dir.make()
     if recipe.distributed.node_rank != 0:
         # another node's ranks: the run's one server and its main rank live on node 0; these ranks only compute
-        _run_ranks(rr, train_dir, None, log)
+        _run_ranks(rr, train_dir, None, log, resume_from=resume_from)
         log(f"node {recipe.distributed.node_rank}: ranks done (metrics and the model are written on node 0)")
         return None
-    with VLLMServer(rr, model_path, train_dir.path) as srv:
+    managed = recipe.server.mode == "managed"
+    with VLLMServer(rr, model_path, train_dir.path, for_training=True) as srv:
         log(f"server: {srv.url} serving {recipe.server.served_model_name!r}"
             + (f", started in {srv.startup_seconds:.0f}s" if srv.startup_seconds else " (attached)"))
         server_pid = srv.process.pid if srv.process else None
         if several:
-            _run_ranks(rr, train_dir, server_pid, log)
+            _run_ranks(rr, train_dir, server_pid, log, server=srv if managed else None, resume_from=resume_from)
             summary = TrainSummary.load(train_dir)
             if summary is None:
                 raise WorkbenchError("the trainer ranks ended without a train.json", f"read {train_dir.log}")
         else:
-            summary = run_trainer(rr, train_dir, model_path, server_pid, srv.url, log=log)
+            summary = run_trainer(rr, train_dir, model_path, server_pid, srv.url, log=log,
+                                  restart=srv.restart if managed else None, resume_from=resume_from)
         try:
             write_atomic(train_dir.server_metrics, srv.metrics())
         except Exception as exc:  # the run is saved; a missing snapshot only costs the rollout summary

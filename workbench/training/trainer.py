@@ -21,17 +21,28 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 
 from workbench.recipe import Resolved
+from workbench.rundir import TrainDir
 from workbench.serving import sync
+from workbench.training.canary import Canary
+from workbench.training.recovery import Recovery
 from workbench.tasks import dataset, rewards
 from workbench.training.config import grpo_config
 
 
 class _SyncingVLLMGeneration(VLLMGeneration):
-    """TRL's vLLM backend with the workbench client in server mode."""
+    """TRL's vLLM backend with the workbench client in server mode, the weight-parity canary after a push, and
+    the server recovery (restart + re-push) wired to the client."""
 
-    def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None, **kwargs):
+    def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None,
+                 request_timeout: float | None = None, canary: Canary | None = None,
+                 recovery: Recovery | None = None, step=lambda: -1, server_logprobs=None, **kwargs):
         self.weight_sync = weight_sync
         self.headers = headers
+        self.request_timeout = request_timeout
+        self.canary = canary
+        self.recovery = recovery
+        self.step = step
+        self.server_logprobs = server_logprobs
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self) -> None:
@@ -41,9 +52,45 @@ class _SyncingVLLMGeneration(VLLMGeneration):
             base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
             self.vllm_client = sync.SyncingVLLMClient(
                 base_url=base_url, group_port=self.group_port, connection_timeout=self.server_timeout,
-                weight_sync=self.weight_sync, headers=self.headers)
+                weight_sync=self.weight_sync, headers=self.headers, request_timeout=self.request_timeout)
             self.vllm_client.init_communicator(device=self.accelerator.device)
+            if self.recovery is not None:
+                self.vllm_client.recovery = self.recovery
+                self.recovery.step = self.step
+                # the main rank can push alone only when it holds every parameter whole
+                self.recovery.repush = None if self.sharded else self._push_from_main
+                self.recovery.after = self._canary_on_main if self.canary else None
         self.accelerator.wait_for_everyone()
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self._dist.is_zero3 or self._dist.is_fsdp)
+
+    def _push_from_main(self) -> None:
+        if self._weight_metadata is None:
+            self._weight_metadata = [(name, str(p.dtype).removeprefix("torch."), list(p.shape))
+                                     for name, p in self._iter_named_params()]
+        self.vllm_client.update_named_params(self._weight_metadata, self._iter_named_params())
+        self.vllm_client.reset_prefix_cache()
+
+    def _server_logprobs(self, ids: list[int]) -> list[float]:
+        return self.vllm_client._recovering("canary", lambda: self.server_logprobs(ids))
+
+    def _canary_on_main(self, reason: str) -> None:
+        self.canary.check(self.model, self.step(), self._server_logprobs, reason)
+
+    def sync_weights(self):
+        super().sync_weights()
+        if self.canary is None or self.mode != "server" or not self.canary.due(self.step()):
+            return
+        if self.sharded:  # the forward gathers the parameters: every rank takes part, the main rank compares
+            started = time.perf_counter()
+            trainer = self.canary.trainer_logprobs(self.model)
+            if self.accelerator.is_main_process:
+                server = [self._server_logprobs(ids) for ids in self.canary.sequences]
+                self.canary.compare(self.step(), trainer, server, time.perf_counter() - started)
+        elif self.accelerator.is_main_process:
+            self._canary_on_main("scheduled")
 
 
 def vllm_generation_kwargs(trainer: GRPOTrainer, args: GRPOConfig) -> dict:
@@ -66,7 +113,9 @@ def vllm_generation_kwargs(trainer: GRPOTrainer, args: GRPOConfig) -> dict:
 class WorkbenchGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose server-mode weight sync goes through a `workbench.serving.sync.WeightSync` adapter."""
 
-    def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None, **kwargs):
+    def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None,
+                 request_timeout: float | None = None, canary: Canary | None = None,
+                 recovery: Recovery | None = None, server_logprobs=None, **kwargs):
         training_args: GRPOConfig = kwargs["args"]
         wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
         self.weight_sync = weight_sync
@@ -85,7 +134,9 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         if wants_server:
             self.use_vllm = True
             self.vllm_generation = _SyncingVLLMGeneration(
-                **vllm_generation_kwargs(self, training_args), weight_sync=weight_sync, headers=headers)
+                **vllm_generation_kwargs(self, training_args), weight_sync=weight_sync, headers=headers,
+                request_timeout=request_timeout, canary=canary, recovery=recovery,
+                step=lambda: self.state.global_step, server_logprobs=server_logprobs)
             self._last_loaded_step = -1
 
     # --- the per-step time breakdown: each phase summed between two logs, reported per optimizer step ---------
@@ -156,11 +207,15 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         return super().train(*args, **kwargs)
 
 
-def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: sync.WeightSync
+def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: sync.WeightSync,
+                  train_dir: TrainDir | None = None, recovery: Recovery | None = None, log=print
                   ) -> WorkbenchGRPOTrainer:
-    """A ready trainer for the recipe (the server must already answer at the recipe's URL)."""
+    """A ready trainer for the recipe (the server must already answer at the recipe's URL). With `train_dir`, the
+    weight-parity canary writes there; with `recovery`, a dead or hung server is restarted mid-run."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workbench.serving import client
 
     recipe = rr.recipe
     args = grpo_config(rr, str(output_dir))
@@ -169,7 +224,9 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
     rows = dataset.recipe_rows(recipe, tokenizer=tokenizer)
     dtype = "auto" if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    canary = Canary.for_recipe(rr, train_dir, tokenizer, log=log) if train_dir is not None else None
     return WorkbenchGRPOTrainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=dataset.to_hf_dataset(rows),
-        reward_funcs=[rewards.get(name) for name in recipe.rewards],
-        weight_sync=weight_sync, headers=rr.headers)
+        reward_funcs=[rewards.guarded(name) for name in recipe.rewards],
+        weight_sync=weight_sync, headers=rr.headers, request_timeout=recipe.server.request_timeout_s,
+        canary=canary, recovery=recovery, server_logprobs=lambda ids: client.sequence_logprobs(rr, ids))

@@ -1,0 +1,75 @@
+"""Bad inputs and the message each must get: driven through the CLI by tests/test_bad_input.py, printed as the
+README's table by `python scripts/bad_input_table.py`.
+
+Each case: (what a user types after `workbench`, a fragment the one-line message must contain). `{tmp}` is a
+scratch directory holding the files some cases need (see `write_files`), `{port}` a port nobody listens on.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+TRAIN = ["train", "--recipe", "smoke"]
+
+CASES: list[tuple[list[str], str]] = [
+    (TRAIN + ["trainer.max_completion_length=abc"], "trainer.max_completion_length is 'abc' (str), trl.GRPOConfig declares int"),
+    (TRAIN + ["trainer.max_steps=1.5"], "trainer.max_steps is 1.5 (float)"),
+    (TRAIN + ["trainer.bf16=maybe"], "trainer.bf16 is 'maybe'"),
+    (TRAIN + ["trainer.num_generations=1"], "trainer.num_generations is 1"),
+    (TRAIN + ["trainer.learning_rate=-1e-5"], "trainer.learning_rate is -1e-05"),
+    (TRAIN + ["trainer.learnin_rate=1e-5"], "did you mean 'learning_rate'"),
+    (TRAIN + ["trainer.use_vllm=true"], "trainer.use_vllm is derived by the workbench"),
+    (TRAIN + ["trainer.per_device_train_batch_size=3"], "divisible by num_generations"),
+    (TRAIN + ["trainer.generation_batch_size=5", "trainer.per_device_train_batch_size=2"], "generation_batch_size"),
+    (TRAIN + ["eval.repeats=0"], "eval.repeats is 0"),
+    (TRAIN + ["eval.max_tokens=0"], "eval.max_tokens is 0"),
+    (TRAIN + ["eval.top_p=0"], "eval.top_p is 0"),
+    (TRAIN + ["eval.concurrency=0"], "eval.concurrency is 0"),
+    (TRAIN + ["server.port=70000"], "server.port is 70000"),
+    (TRAIN + ["server.port=abc"], "server.port is 'abc' (str), expected int"),
+    (TRAIN + ["server.max_model_len=16"], "server.max_model_len=16 is smaller than"),
+    (TRAIN + ["server.gpu_memory_utilization=1.5"], "server.gpu_memory_utilization is 1.5"),
+    (TRAIN + ["server.weight_sync=magic"], "server.weight_sync is 'magic'"),
+    (TRAIN + ["server.extra_args=[--host,0.0.0.0]"], "--host"),
+    (TRAIN + ["server.host=0.0.0.0"], "server.host=0.0.0.0"),
+    (TRAIN + ["server.sync_dir={tmp}/model-dir"], "server.sync_dir"),
+    (TRAIN + ["devices.trainer=[]"], "devices.trainer is empty"),
+    (TRAIN + ["devices.server=[0,0]"], "devices.server repeats ids [0]"),
+    (TRAIN + ["devices.trainer=[64]"], "CPU cores [64]"),
+    (TRAIN + ["distributed.processes=0"], "distributed.processes is 0"),
+    (TRAIN + ["data.name=gsm9k"], "data.name is 'gsm9k', not a known dataset"),
+    (TRAIN + ["data.name=file"], "data.path is not set"),
+    (TRAIN + ["data.name=file", "data.path={tmp}/missing.jsonl"], "does not exist"),
+    (TRAIN + ["data.name=file", "data.path={tmp}/rows.csv"], "has format '.csv'"),
+    (TRAIN + ["data.name=file", "data.path={tmp}/rows.jsonl", "data.fields.question=q"], "has no 'q' field"),
+    (TRAIN + ["data.path={tmp}/rows.jsonl"], "'arithmetic' is generated and reads no file"),
+    (TRAIN + ["rewards.brevity=1.0"], "unknown reward 'brevity'"),
+    (TRAIN + ["rewards={}"], "rewards is empty"),
+    (TRAIN + ["model.path={tmp}/no-model"], "does not exist"),
+    (TRAIN + ["model.tiny.num_heads=3"], "hidden_size=256 is not divisible by num_heads=3"),
+    (TRAIN + ["monitor.canary_every=-1"], "monitor.canary_every is -1"),
+    (TRAIN + ["monitor.canary_warn_gap=0.5", "monitor.canary_stop_gap=0.1"], "is not below canary_stop_gap"),
+    (TRAIN + ["optimizer.lr=1"], "unknown recipe section 'optimizer'"),
+    (TRAIN + ["trainer.max_steps"], "has no '='"),
+    (["train", "--recipe", "no-such-recipe"], "recipe 'no-such-recipe' does not exist"),
+    (["train", "--recipe", "{tmp}/a.yaml"], "forms a cycle"),
+    (["train", "--recipe", "{tmp}/broken.yaml"], "is not valid YAML"),
+    (["train", "--resume", "{tmp}/no-run"], "no run directory"),
+    (["eval", "--sweep", "1,x"], "--sweep '1,x' is not a list of positive whole numbers"),
+    (["eval", "--model", "trained={tmp}/no-model"], "no model directory at trained="),
+    (["run", "--stages", "env,deploy"], "unknown stage(s) ['deploy']"),
+]
+
+
+def write_files(tmp: Path) -> None:
+    """The files the cases point at."""
+    (tmp / "a.yaml").write_text("extends: b.yaml\nname: a\n")
+    (tmp / "b.yaml").write_text("extends: a.yaml\n")
+    (tmp / "broken.yaml").write_text("trainer:\n  max_steps: [1,\n")
+    (tmp / "rows.csv").write_text("question,answer\n1+1,2\n")
+    (tmp / "rows.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    (tmp / "model-dir").mkdir(exist_ok=True)
+    (tmp / "model-dir" / "config.json").write_text("{}")
+
+
+def expand(args: list[str], tmp: Path, port: int) -> list[str]:
+    return [a.replace("{tmp}", str(tmp)).replace("{port}", str(port)) for a in args]

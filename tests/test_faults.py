@@ -1,0 +1,198 @@
+"""Faults during training, for real: a SIGKILLed server, a SIGKILLed trainer and its resume, a sync that stops.
+
+Each test runs `workbench train` (or train() in this process) against a real vLLM server on the CPU with the tiny
+model; the server and trainer are killed with SIGKILL as a crash or the OOM killer would. About 5 minutes together.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import VENV_BIN, free_port
+from workbench.observe.records import read_jsonl
+from workbench.rundir import RunDir
+
+# enough completions per step for the rewards to differ inside a group (so the weights really move) and a learning
+# rate high enough that a server left on old weights is visibly off after a few steps
+FAST = ["trainer.per_device_train_batch_size=8", "trainer.num_generations=4", "trainer.learning_rate=3e-3",
+        "trainer.logging_steps=1", "trainer.log_completions=false", "monitor.canary_every=1"]
+
+
+def _cmd() -> list[str]:
+    script = VENV_BIN / "workbench"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "workbench"]
+
+
+def _train_dir(runs: Path) -> Path:
+    (run,) = [p for p in runs.iterdir() if p.is_dir()]
+    return run / "train"
+
+
+def _steps(train_dir: Path) -> list[int]:
+    return [r["step"] for r in read_jsonl(train_dir / "metrics.jsonl") if "loss" in r]
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None, what: str = ""):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run ended (status {proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _server_of(pid: int) -> psutil.Process:
+    for child in psutil.Process(pid).children(recursive=True):
+        if "workbench.serving.vllm_cpu" in " ".join(child.cmdline()):
+            return child
+    raise AssertionError("no vLLM server among the run's processes")
+
+
+def _sync_dirs() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("workbench-sync-*")} if Path("/dev/shm").is_dir() else set()
+
+
+def _no_sync_gap(train_dir: Path, base: Path) -> float:
+    """What the canary would read from a server that kept the initial weights: trainer's final vs the base model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workbench import recipe
+    from workbench.training.canary import Canary, probe_sequences
+
+    rr = recipe.resolve(recipe.load(str(train_dir.parent / "recipe.yaml")))
+    sequences = probe_sequences(rr, AutoTokenizer.from_pretrained(str(base)))
+    canary = Canary(None, sequences, 1, 1.0, 2.0)
+    a = canary.trainer_logprobs(AutoModelForCausalLM.from_pretrained(str(base)))
+    b = canary.trainer_logprobs(AutoModelForCausalLM.from_pretrained(str(train_dir / "final")))
+    gaps = [abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+    return sum(gaps) / len(gaps)
+
+
+def test_server_sigkilled_mid_run_is_restarted_and_resynced(tmp_path, tiny_model_dir):
+    before = _sync_dirs()
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([*_cmd(), "train", "--recipe", "smoke", f"server.port={free_port()}",
+                             f"monitor.runs_dir={runs}", "trainer.max_steps=30", "trainer.save_steps=100", *FAST],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: runs.exists() and any(runs.iterdir()) and len(_steps(_train_dir(runs))) >= 3, 400, proc,
+                  "step 3")
+        server = _server_of(proc.pid)
+        os.killpg(os.getpgid(server.pid), signal.SIGKILL)  # the whole server: API process and engine core
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    train_dir = _train_dir(runs)
+    assert _steps(train_dir) == list(range(1, 31))  # every step, once
+    events = read_jsonl(train_dir / "events.jsonl", normalised=False)
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("server_fault") == 1 and kinds.count("server_restart") == 1, kinds
+    summary = json.loads((train_dir / "train.json").read_text())
+    assert summary["restarts"] == 1 and summary["steps"] == 30
+    canary = read_jsonl(train_dir / "canary.jsonl", normalised=False)
+    after = [c for c in canary if c["reason"] == "after restart"]
+    assert len(after) == 1 and after[0]["level"] == "ok"
+    no_sync = _no_sync_gap(train_dir, tiny_model_dir)
+    # re-synced: the gap right after the restart is at the exact-sync level, far below a server on the base weights
+    assert after[0]["gap_mean"] < 1e-4 < no_sync / 10, (after[0], no_sync)
+    assert all(c["level"] == "ok" for c in canary)
+    assert list(train_dir.glob("vllm-server-*.before-restart-1.log"))  # the dead server's log is kept
+    assert _sync_dirs() <= before
+
+
+def test_trainer_sigkilled_then_resumed_has_every_step_once(tmp_path, tiny_model_dir):
+    runs = tmp_path / "runs"
+    port = free_port()
+    args = ["train", "--recipe", "smoke", f"server.port={port}", f"monitor.runs_dir={runs}", "trainer.max_steps=12",
+            "trainer.save_steps=4", *FAST]
+    proc = subprocess.Popen([*_cmd(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def past_checkpoint() -> bool:
+            if not (runs.exists() and any(runs.iterdir())):
+                return False
+            train_dir = _train_dir(runs)
+            return (train_dir / "checkpoints" / "checkpoint-4" / "trainer_state.json").exists() and \
+                max(_steps(train_dir), default=0) >= 6
+        _wait_for(past_checkpoint, 400, proc, "step 6")
+        server = _server_of(proc.pid)
+        proc.send_signal(signal.SIGKILL)  # the trainer dies without any clean-up of its own
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    server.wait(timeout=60)  # the server follows its parent (PR_SET_PDEATHSIG)
+    train_dir = _train_dir(runs)
+    reached = max(_steps(train_dir))
+    assert reached < 12
+    out = subprocess.run([*_cmd(), "train", "--resume", str(train_dir.parent)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _steps(train_dir) == list(range(1, 13))  # merged: each step exactly once, up to max_steps
+    summary = json.loads((train_dir / "train.json").read_text())
+    assert summary["steps"] == 12 and summary["resumed_from"] == 8 if reached >= 8 else summary["resumed_from"] == 4
+    (resume,) = [e for e in read_jsonl(train_dir / "events.jsonl", normalised=False) if e["kind"] == "resume"]
+    assert resume["step"] == summary["resumed_from"] and resume["reached"] == reached
+    assert (train_dir / "final" / "model.safetensors").exists()
+    assert not _sync_dirs() - {p for p in _sync_dirs() if _alive_owner(p)}  # the killed run's copy is gone too
+    report = subprocess.run([*_cmd(), "report", str(train_dir.parent)], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert "resumed from checkpoint" in (train_dir.parent / "report.html").read_text()
+
+
+def _alive_owner(name: str) -> bool:
+    pid = name.removeprefix("workbench-sync-").split("-", 1)[0]
+    return pid.isdigit() and psutil.pid_exists(int(pid))
+
+
+class _StopsPushing:
+    """A reload sync that silently stops after two pushes: the server keeps old weights, as a broken sync would."""
+
+
+def test_canary_stops_a_run_whose_sync_stops(tmp_path, tiny_model_dir, monkeypatch):
+    from workbench import recipe
+    from workbench.serving import sync
+    from workbench.training import train as training
+    from workbench.training.canary import CanaryAlarm
+
+    class Stale(sync.ReloadSync):
+        def send(self, client, metadata, named_params):
+            if len(self.records) + getattr(self, "drained", 0) >= 2:
+                for _ in named_params:
+                    pass
+                return 0
+            return super().send(client, metadata, named_params)
+
+        def drain(self):
+            out = super().drain()
+            self.drained = getattr(self, "drained", 0) + len(out)
+            return out
+
+    monkeypatch.setattr(sync, "make", lambda rr: Stale())
+    before = _sync_dirs()
+    r = recipe.load("smoke", [f"server.port={free_port()}", f"monitor.runs_dir={tmp_path}", "trainer.max_steps=20",
+                              "trainer.save_steps=100", *FAST])
+    run = RunDir.create(r, "train")
+    with pytest.raises(CanaryAlarm) as alarm:
+        training.train(recipe.resolve(r), run.train, log=lambda *_: None)
+    assert "not sampling from the weights being trained" in str(alarm.value)
+    canary = read_jsonl(run.train.canary, normalised=False)
+    assert canary[0]["level"] == "ok" and canary[-1]["level"] == "stop"
+    stopped_at = canary[-1]["step"]
+    assert 2 <= stopped_at < 20
+    kinds = [e["kind"] for e in read_jsonl(run.train.events, normalised=False)]
+    assert "canary_stop" in kinds and "failure" in kinds
+    assert (run.train.checkpoints / f"checkpoint-{stopped_at}" / "trainer_state.json").exists()  # resumable
+    assert _sync_dirs() <= before  # the crashed run's weights copy is gone
