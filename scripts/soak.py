@@ -37,8 +37,15 @@ def _status_kb(pid: int, field: str) -> int:
 def _tree(proc: psutil.Process) -> list[psutil.Process]:
     try:
         return [proc, *proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
+    except psutil.Error:  # gone, or a zombie at the end of the run
         return []
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline() or [])
+    except psutil.Error:
+        return ""
 
 
 def _memory(procs: list[psutil.Process]) -> dict:
@@ -82,27 +89,30 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=10.0)
     parser.add_argument("--out", default="soak.json")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the training and its server")
+    parser.add_argument("--port", type=int, default=8191)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     runs = Path(tempfile.mkdtemp(prefix="soak-runs-"))
     env = dict(os.environ, **dict(item.split("=", 1) for item in args.env))
     cmd = [sys.executable, "-m", "workbench", "train", "--recipe", "cpu-tiny", f"monitor.runs_dir={runs}",
            f"trainer.max_steps={args.steps}", "trainer.per_device_train_batch_size=16", "trainer.logging_steps=10",
-           "trainer.save_steps=100000", "trainer.log_completions=false", "server.port=8191", *args.overrides]
+           "trainer.save_steps=100000", "trainer.log_completions=false", f"server.port={args.port}", *args.overrides]
     started = time.time()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = open(runs / "soak.log", "w")  # a file, not a pipe: a pipe nobody reads fills up and blocks the trainer
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     root = psutil.Process(proc.pid)
     samples = []
     while proc.poll() is None:
         time.sleep(args.every)
-        servers = [c for c in _tree(root)[1:] if "workbench.serving.vllm_cpu" in " ".join(c.cmdline() or [])]
+        servers = [c for c in _tree(root)[1:] if "workbench.serving.vllm_cpu" in _cmdline(c)]
         server_tree = [p for s in servers for p in _tree(s)]
         trainer = [p for p in _tree(root) if p.pid not in {s.pid for s in server_tree}]
         metrics = next(runs.glob("*/train/metrics.jsonl"), None)
         step = _last_step(metrics) if metrics else 0
         samples.append({"time": time.time() - started, "step": step, "server": _memory(server_tree),
                         "trainer": _memory(trainer)})
-    err = proc.stderr.read()
+    log.close()
+    err = (runs / "soak.log").read_text(errors="replace")
     result = {"command": cmd, "env": args.env, "returncode": proc.returncode, "seconds": time.time() - started,
               "samples": samples, "runs": str(runs), "summary": {}}
     for role in ("trainer", "server"):

@@ -147,3 +147,37 @@ def test_figure_survives_missing_records(tmp_path, missing):
             for row in rows:
                 append_jsonl(tmp_path / f"{name}.jsonl", row)
     assert figures.png_bytes(figures.training_figure(rundata.load(tmp_path))).startswith(b"\x89PNG")
+
+
+def _canary(gaps, level="ok"):
+    return [{"step": i, "gap_mean": g, "gap_max": g, "level": level if g > 1e-3 else "ok", "reason": "scheduled"}
+            for i, g in enumerate(gaps)]
+
+
+def test_weight_drift_alarms_and_rising_gap():
+    assert advisor.weight_drift(advisor.RunRecords([], [], [], RECIPE, canary=_canary([2e-6] * 9))) is None
+    alarm = advisor.weight_drift(advisor.RunRecords([], [], [], RECIPE, canary=_canary([2e-6, 2e-6, 0.05], "stop")))
+    assert alarm.severity == "warning" and "step 2" in alarm.evidence
+    rising = advisor.weight_drift(advisor.RunRecords([], [], [], RECIPE, canary=_canary([1e-6] * 3 + [5e-5] * 3)))
+    assert rising.severity == "info" and "rising" in rising.title
+
+
+def test_server_faults_are_a_finding():
+    events = [{"kind": "server_fault", "message": "generation failed at step 3: ConnectionError"},
+              {"kind": "server_restart", "message": "server restarted"}]
+    finding = advisor.server_faults(advisor.RunRecords([], [], [], RECIPE, events=events))
+    assert "1 fault(s), 1 restart(s)" in finding.evidence
+    assert advisor.server_faults(advisor.RunRecords([], [], [], RECIPE)) is None
+
+
+def test_memory_growth_per_role():
+    def samples(role, start, growth):
+        return [{"time": 1000.0 + 60 * i, "role": role, "kind": "cpu", "device": "cpu0",
+                 "mem_used_mb": start + growth * i / 99} for i in range(100)]
+    flat = samples("server", 3000, 20) + samples("trainer", 800, 5)
+    assert advisor.memory_growth(advisor.RunRecords([], flat, [], RECIPE)) is None
+    grows = samples("server", 3000, 20) + samples("trainer", 800, 900)
+    finding = advisor.memory_growth(advisor.RunRecords([], grows, [], RECIPE))
+    assert finding is not None and finding.evidence.startswith("trainer 8") and "server" not in finding.evidence
+    trend = advisor.memory_trend(grows)["trainer"]
+    assert trend["slope_mb_per_hour"] == pytest.approx(900 / (99 / 60), rel=0.01)

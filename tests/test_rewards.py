@@ -50,3 +50,25 @@ def test_registry_names_and_unknown_reward():
     assert rewards.get("format").__name__ == "format"
     with pytest.raises(WorkbenchError, match="unknown reward 'corectness'.*correctness"):
         rewards.get("corectness")
+
+
+def test_a_reward_that_raises_or_returns_nan_stops_with_its_name_and_sample():
+    from workbench.tasks.rewards import REGISTRY, RewardFailure, guarded, register
+
+    @register("flaky_for_test")
+    def flaky(prompts, completions, answer=None, **kwargs):
+        return [1 / 0 if "7" in c else float("nan") if "9" in c else 1.0 for c in completions]
+
+    try:
+        checked = guarded("flaky_for_test")
+        assert checked.__name__ == "flaky_for_test"  # TRL names the metric after it
+        assert checked([None, None], ["1", "2"], answer=["1", "2"]) == [1.0, 1.0]
+        prompt = [{"role": "user", "content": "What is 3 + 4?"}]
+        with pytest.raises(RewardFailure, match=r"reward 'flaky_for_test' raised ZeroDivisionError.*sample 1: "
+                                                r"prompt 'What is 3 \+ 4\?', completion '7'"):
+            checked([prompt, prompt], ["1", "7"], answer=["7", "7"])
+        with pytest.raises(RewardFailure, match=r"returned nan for sample 0.*completion '9'"):
+            checked([prompt], ["9"], answer=["7"])
+        assert guarded("correctness")([None], ["<answer>7</answer>"], answer=["7"]) == [1.0]
+    finally:
+        REGISTRY.pop("flaky_for_test", None)

@@ -76,6 +76,7 @@ class Canary:
         self.stop = stop
         self.log = log
         self.checks: list[Check] = []
+        self.spent = 0.0  # seconds since the trainer last logged (it is inside the generation phase)
 
     @classmethod
     def for_recipe(cls, rr: Resolved, train_dir: TrainDir, tokenizer, log=print) -> "Canary | None":
@@ -114,6 +115,7 @@ class Canary:
         gaps = [abs(a - b) for ts, ss in zip(trainer, server) for a, b in zip(ts, ss)]
         check = Check(step=step, gap_mean=sum(gaps) / max(1, len(gaps)), gap_max=max(gaps, default=0.0),
                       tokens=len(gaps), seconds=round(seconds, 4), reason=reason)
+        self.spent += seconds
         check.level = "stop" if check.gap_mean > self.stop else "warn" if check.gap_mean > self.warn else "ok"
         self.checks.append(check)
         append_jsonl(self.train_dir.canary, check.__dict__)
@@ -128,6 +130,10 @@ class Canary:
                                   "check the weight sync (server.weight_sync) and the server log; resume from the "
                                   "last checkpoint once it is fixed (workbench train --resume RUN)")
         return check
+
+    def drain_seconds(self) -> float:
+        spent, self.spent = self.spent, 0.0
+        return spent
 
     def check(self, model, step: int, server_logprobs, reason: str = "scheduled") -> Check:
         """Score both sides now (main rank): `server_logprobs(ids) -> list[float]`."""

@@ -173,7 +173,9 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         if steps <= 0:
             return {}
         sync_s = sum(s for s, _ in pushes)
-        generation = max(0.0, phases.get("generation", 0.0) - sync_s)
+        canary = getattr(getattr(self, "vllm_generation", None), "canary", None)
+        canary_s = canary.drain_seconds() if canary is not None else 0.0
+        generation = max(0.0, phases.get("generation", 0.0) - sync_s - canary_s)
         rollout = phases.get("rollout", 0.0)
         reward = phases.get("reward", 0.0)
         out = {
@@ -183,6 +185,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             "time/reward": reward / steps,
             "time/scoring": max(0.0, rollout - generation - sync_s - reward) / steps,
             "time/optimisation": max(0.0, wall - rollout) / steps,
+            "time/canary": canary_s / steps,  # inside the rollout, counted in time/scoring's remainder
             "rollout/completion_tokens": tokens / steps,
         }
         if generation > 0:

@@ -1,0 +1,130 @@
+"""The recovery's decisions without a server: what counts as a server fault, the restart bound, the hand-over of a
+restart between a trainer rank and the process that owns the server, and resume's bookkeeping."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from conftest import free_port
+from workbench import recipe
+from workbench.errors import WorkbenchError
+from workbench.observe.records import append_jsonl, read_jsonl, truncate_after
+from workbench.rundir import TrainDir
+from workbench.training.recovery import Recovery, RestartRequest, ServerLost, serve_restart_requests
+
+
+class _Client:
+    def __init__(self):
+        self.device = "cpu"
+        self.connects = 0
+
+        class Sync:
+            def connect(sync, client, device):
+                client.connects += 1
+        self.weight_sync = Sync()
+
+
+def _recovery(tmp_path, restarts=2, restart=lambda: 1.0):
+    rr = recipe.resolve(recipe.load("smoke", [f"server.max_restarts={restarts}", f"server.port={free_port()}"]))  # nothing listens there
+    train_dir = TrainDir(tmp_path / "train").make()
+    return Recovery(rr, train_dir, restart, log=lambda *_: None), train_dir
+
+
+def test_a_dead_server_is_restarted_reconnected_and_repushed_within_the_bound(tmp_path):
+    calls = []
+    recovery, train_dir = _recovery(tmp_path, restarts=2, restart=lambda: calls.append("restart"))
+    recovery.repush = lambda: calls.append("repush")
+    recovery.after = lambda reason: calls.append(reason)
+    client = _Client()
+    for _ in range(2):
+        recovery.handle(client, "generation", requests.ConnectionError("refused"))
+    assert calls == ["restart", "repush", "after restart"] * 2 and client.connects == 2
+    with pytest.raises(ServerLost, match="after 2 restart"):
+        recovery.handle(client, "generation", requests.ConnectionError("refused"))
+    kinds = [e["kind"] for e in read_jsonl(train_dir.events, normalised=False)]
+    assert kinds == ["server_fault", "server_restart"] * 2 + ["server_fault", "server_lost"]
+
+
+def test_sharded_weights_cannot_be_pushed_by_one_rank(tmp_path):
+    recovery, _ = _recovery(tmp_path)
+    recovery.repush = None
+    with pytest.raises(ServerLost, match="sharded") as lost:
+        recovery.handle(_Client(), "generation", requests.Timeout("no answer"))
+    assert "workbench train --resume" in str(lost.value)
+
+
+def test_errors_of_a_live_server_are_not_faults(tmp_path):
+    recovery, _ = _recovery(tmp_path)
+    recovery.repush = lambda: None
+    own = WorkbenchError("the server refused to reset its prefix cache three times")
+    with pytest.raises(WorkbenchError, match="refused to reset"):
+        recovery.handle(_Client(), "prefix-cache reset", own)
+    assert recovery.restarts == 0
+
+
+def test_a_rank_asks_the_owner_for_a_restart(tmp_path):
+    train_dir = TrainDir(tmp_path / "train").make()
+    served = []
+    stop = threading.Event()
+
+    def owner():  # what `workbench train` does while it waits for its ranks
+        while not stop.is_set():
+            serve_restart_requests(train_dir, lambda: served.append(1) or 42.0)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    try:
+        assert RestartRequest(train_dir, timeout=10)() == 42.0
+    finally:
+        stop.set()
+        thread.join()
+    assert served == [1] and not train_dir.restart_request.exists() and not train_dir.restart_answer.exists()
+
+
+def test_a_failed_restart_reaches_the_rank(tmp_path):
+    train_dir = TrainDir(tmp_path / "train").make()
+
+    def owner():
+        while not serve_restart_requests(train_dir, lambda: (_ for _ in ()).throw(OSError("port in use"))):
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    with pytest.raises(WorkbenchError, match="port in use"):
+        RestartRequest(train_dir, timeout=10)()
+    thread.join()
+
+
+def test_truncate_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    for step in range(1, 8):
+        append_jsonl(path, {"step": step, "loss": 0.1})
+    with open(path, "a") as f:
+        f.write('{"step": 8, "lo')  # the killed process's half line
+    assert truncate_after(path, 4) == 4
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4]
+    assert path.read_text().endswith("\n")
+
+
+def test_resume_needs_a_complete_checkpoint(tmp_path):
+    from workbench.training.train import prepare_resume
+
+    rr = recipe.resolve(recipe.load("smoke"))
+    train_dir = TrainDir(tmp_path / "train").make()
+    (train_dir.checkpoints / "checkpoint-4").mkdir(parents=True)  # killed while saving: no trainer_state.json
+    with pytest.raises(WorkbenchError, match="no complete checkpoint"):
+        prepare_resume(rr, train_dir, log=lambda *_: None)
+    (train_dir.checkpoints / "checkpoint-2").mkdir()
+    (train_dir.checkpoints / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    for step in (1, 2, 3):
+        append_jsonl(train_dir.metrics, {"step": step, "loss": 0.0})
+    train_dir.request_stop("test")
+    assert prepare_resume(rr, train_dir, log=lambda *_: None).name == "checkpoint-2"
+    assert [r["step"] for r in read_jsonl(train_dir.metrics)] == [1, 2] and not train_dir.stop_flag.exists()
+    (resume,) = read_jsonl(train_dir.events, normalised=False)
+    assert resume["kind"] == "resume" and resume["step"] == 2 and resume["reached"] == 3
