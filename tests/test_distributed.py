@@ -108,7 +108,10 @@ def test_two_ranks_write_each_record_once_and_stay_in_sync(two_rank_run):
     # the server's log-probs track the trainer's after every push (the weights reached the server each step)
     for r in rows:
         assert r["sampling/sampling_logp_difference/mean"] < 1e-3, r
-        assert r["sync/count"] == 1
+    # one push a step; the step whose server was replaced pushed again to the new one (counted once more when the
+    # fault hit its generation, not when it hit the push itself, which then never completed)
+    counts = [r["sync/count"] for r in rows]
+    assert all(c in (1, 2) for c in counts) and sum(counts) in (6, 7), counts
     completions = sorted(run.train.completions.glob("completions_*.parquet"))
     assert len(completions) == 6  # one file per logged step, not one per rank
     summary = json.loads(run.train.summary.read_text())

@@ -259,3 +259,28 @@ def test_failing_stage_stops_the_run_and_names_its_notebook(workbench_cmd, tmp_p
     assert "logs/01_offline_generation.log" in message and (run_dir / "report.html").exists()
     assert "stage 'offline' failed" in (run_dir / "report.html").read_text()
     assert not (run_dir / "offline" / "offline.json").exists()
+
+
+def test_resume_keeps_passed_stages_and_resumes_the_training(tmp_path):
+    """`workbench run --resume RUN`: the stages that passed are not run again; the training stage gets `resume`
+    once a checkpoint exists (notebook 04 then continues from it)."""
+    from workbench import pipeline, recipe
+    from workbench.rundir import RunDir
+
+    r = recipe.load("cpu-tiny", [f"monitor.runs_dir={tmp_path}"])
+    run = RunDir.create(r, "run")
+    (run.path / "run.json").write_text(json.dumps({
+        "recipe": r.name, "stages": ["env", "train"], "failed_stage": "train", "error": "killed",
+        "results": {"env": {"status": "passed", "seconds": 3.0}, "train": {"status": "failed", "seconds": 9.0}}}))
+    assert "resume" not in pipeline.stage_parameters("train", run, resuming=True)  # nothing to resume from yet
+    state = run.train.checkpoints / "checkpoint-5" / "trainer_state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text("{}")
+    assert pipeline.stage_parameters("train", run, resuming=True)["resume"] is True
+    assert "resume" not in pipeline.stage_parameters("train", run)  # a new run never resumes
+    lines = []
+    pipeline.run(recipe.resolve(r), ["env"], log=lines.append, resume=run)  # env passed: nothing to run again
+    record = json.loads((run.path / "run.json").read_text())
+    assert record["resumed"][0]["kept"] == ["env"] and record["resumed"][0]["again"] == []
+    assert "failed_stage" not in record and record["results"]["env"]["status"] == "passed"
+    assert (run.path / "report.html").exists() and any("resuming" in line for line in lines)

@@ -27,7 +27,8 @@ def test_a_dead_kernel_fails_its_stage_and_the_report_is_written(tmp_path, monke
     notebooks.mkdir()
     # what the OOM killer does to a kernel: SIGKILL, no traceback, no reply
     _notebook(notebooks / f"{pipeline.STAGES['env']}.ipynb",
-              "import os, signal\nprint('last words before the kill', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)")
+              "import os, signal, time\nprint('last words before the kill', flush=True)\n"
+                  "time.sleep(2)  # the output reaches papermill before the kernel goes\nos.kill(os.getpid(), signal.SIGKILL)")
     monkeypatch.setattr(paths, "notebooks_dir", lambda: notebooks)
     runs = tmp_path / "runs"
     rr = recipe.resolve(recipe.load("cpu-tiny", [f"monitor.runs_dir={runs}"]), platform="cpu")

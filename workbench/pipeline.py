@@ -181,6 +181,8 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir
         stages = [s for s in stages if s not in done]
         record.pop("failed_stage", None)
         record.pop("error", None)
+        record.setdefault("started", time.time())
+        record.setdefault("results", {})
         record.setdefault("resumed", []).append({"time": time.time(), "kept": done, "again": stages})
         log(f"resuming {run.path}: kept {', '.join(done) or 'nothing'}; running {', '.join(stages) or 'nothing'}")
     else:
