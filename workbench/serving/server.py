@@ -34,7 +34,7 @@ import requests
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
 from workbench.rundir import server_log
-from workbench.serving import client, launch
+from workbench.serving import client, launch, shm
 
 _LIVE: set["VLLMServer"] = set()
 
@@ -125,6 +125,7 @@ class VLLMServer:
         self.log_path: Path | None = None
         self.model_entry: dict | None = None
         self.startup_seconds: float | None = None
+        self.shm_files: set[str] = set()  # the running server's /dev/shm files (see shm.py)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self, restarting: bool = False) -> "VLLMServer":
@@ -160,6 +161,10 @@ class VLLMServer:
         _LIVE.add(self)
         try:
             self._wait_healthy(s.startup_timeout_s)
+            try:
+                self.shm_files = shm.files_of(shm.group_pids(self.process.pid))  # removed at stop if left behind
+            except Exception:
+                self.shm_files = set()
             self.model_entry = client.verify(self.rr)
         except BaseException:  # a failed check or a Ctrl-C in the notebook: never leave the server behind
             self.stop()
@@ -214,6 +219,11 @@ class VLLMServer:
         if proc is None:
             return
         pgid = proc.pid  # the child called setsid(): its pid is the group id
+        # the group's shared-memory files: noted at start (a crashed server holds nothing any more) and now
+        try:
+            files = self.shm_files | shm.files_of(shm.group_pids(pgid))
+        except Exception:  # bookkeeping must never keep a server from being stopped
+            files = set(self.shm_files)
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(pgid, sig)
@@ -232,6 +242,8 @@ class VLLMServer:
             proc.wait(timeout=1)
         except subprocess.TimeoutExpired:
             pass
+        if not _group_alive(pgid):  # what a clean shutdown unlinks itself, a killed group leaves behind
+            shm.remove(files)
 
     @property
     def pgid(self) -> int | None:

@@ -43,7 +43,13 @@ def _follow_parent(parent: int, period: float = 0.5) -> None:
         while True:
             time.sleep(period)
             if os.getppid() != parent:  # re-parented: the workbench process is gone, however it ended
-                os.killpg(os.getpgrp(), signal.SIGKILL)
+                try:
+                    from workbench.serving import shm
+
+                    # unlinked first (the mappings live on until the kill): nobody is left to remove them after it
+                    shm.remove(shm.files_of(shm.group_pids(os.getpgrp())))
+                finally:  # whatever happens above, the group must end
+                    os.killpg(os.getpgrp(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="workbench-parent-watch", daemon=True).start()
 
