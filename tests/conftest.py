@@ -49,13 +49,6 @@ def clean_env() -> dict:
     return env
 
 
-def shm_files() -> set[str]:
-    """vLLM's shared-memory files in /dev/shm (multiprocessing's psm_* and sem.*): a killed server must not leave
-    its own behind."""
-    base = Path("/dev/shm")
-    return {p.name for p in base.iterdir() if p.name.startswith(("psm_", "sem."))} if base.is_dir() else set()
-
-
 def free_port() -> int:
     import socket
 

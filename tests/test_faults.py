@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import VENV_BIN, free_port, shm_files
+from conftest import VENV_BIN, free_port
 from workbench.observe.records import read_jsonl
 from workbench.rundir import RunDir
 
@@ -89,7 +89,7 @@ def _no_sync_gap(train_dir: Path, base: Path) -> float:
 def test_dead_then_hung_server_is_restarted_and_resynced(tmp_path, tiny_model_dir):
     """SIGKILL of the whole server at step 3 (a crash), SIGSTOP of the new one at step 15 (a hang: it holds its
     connections and answers nothing): two restarts, every step, and the canary proves each re-sync."""
-    before, shm_before = _sync_dirs(), shm_files()
+    before = _sync_dirs()
     runs = tmp_path / "runs"
     log = tmp_path / "train.log"
     proc = _start(["train", "--recipe", "smoke", f"server.port={free_port()}", f"monitor.runs_dir={runs}",
@@ -128,14 +128,12 @@ def test_dead_then_hung_server_is_restarted_and_resynced(tmp_path, tiny_model_di
     for n in (1, 2):  # each dead server's log is kept
         assert list(train_dir.glob(f"vllm-server-*.before-restart-{n}.log"))
     assert not psutil.pid_exists(second.pid) or second.status() == psutil.STATUS_ZOMBIE  # the hung one was killed
-    assert shm_files() <= shm_before  # the killed servers' shared-memory files went with them
     assert _sync_dirs() <= before
 
 
 def test_trainer_sigkilled_then_resumed_has_every_step_once(tmp_path, tiny_model_dir):
     runs = tmp_path / "runs"
     port = free_port()
-    shm_before = shm_files()
     args = ["train", "--recipe", "smoke", f"server.port={port}", f"monitor.runs_dir={runs}", "trainer.max_steps=12",
             "trainer.save_steps=4", *FAST]
     log = tmp_path / "train.log"
@@ -172,7 +170,6 @@ def test_trainer_sigkilled_then_resumed_has_every_step_once(tmp_path, tiny_model
     report = subprocess.run([*_cmd(), "report", str(train_dir.parent)], capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
     assert "resumed from checkpoint" in (train_dir.parent / "report.html").read_text()
-    assert shm_files() <= shm_before  # nothing of the server that died with the killed trainer
 
 
 def _alive_owner(name: str) -> bool:

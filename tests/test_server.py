@@ -14,7 +14,7 @@ import psutil
 import pytest
 import requests
 
-from conftest import free_port, shm_files
+from conftest import free_port
 from workbench import recipe
 from workbench.errors import WorkbenchError
 from workbench.platform import compat
@@ -61,7 +61,6 @@ def test_server_dies_with_its_parent(server_recipe, tiny_model_dir, tmp_path):
         print(srv.pgid, flush=True)
         time.sleep(600)
     """)
-    shm_before = shm_files()
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     pgid = int(parent.stdout.readline())
     assert group_members(pgid)
@@ -71,7 +70,6 @@ def test_server_dies_with_its_parent(server_recipe, tiny_model_dir, tmp_path):
     while group_members(pgid) and time.time() < deadline:
         time.sleep(0.5)
     assert group_members(pgid) == []
-    assert shm_files() <= shm_before  # nor its shared-memory files in /dev/shm
 
 
 def test_server_dies_with_a_parent_killed_during_startup(tiny_model_dir, tmp_path):
@@ -92,7 +90,6 @@ def test_server_dies_with_a_parent_killed_during_startup(tiny_model_dir, tmp_pat
         srv.start()
         time.sleep(600)
     """)
-    shm_before = shm_files()
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     pgid = int(parent.stdout.readline())
     # late in the start-up: vLLM has spawned its engine core (it holds a SIGTERM handler of its own by then), and
@@ -107,7 +104,6 @@ def test_server_dies_with_a_parent_killed_during_startup(tiny_model_dir, tmp_pat
     while group_members(pgid) and time.time() < deadline:
         time.sleep(0.5)
     assert group_members(pgid) == []
-    assert shm_files() <= shm_before  # nor its shared-memory files in /dev/shm
 
 
 def test_startup_timeout_stops_the_server_and_says_why(server_recipe, tiny_model_dir, tmp_path):

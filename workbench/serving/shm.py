@@ -6,9 +6,13 @@
 
 vLLM's processes talk through Python multiprocessing shared memory (`/dev/shm/psm_*`, sparse files of 160-250 MB
 each) and named semaphores (`/dev/shm/sem.*`). A clean shutdown unlinks them; a SIGKILLed server (a crash, the OOM
-killer, a stop that had to escalate) leaves them behind, one pair per server. The workbench notes a server's files
-while it runs and removes what is left once the whole group has ended. Only /proc is read: the CPU launcher
-(vllm_cpu.py) uses this in its parent watch, before vLLM is imported.
+killer, a stop that had to escalate) leaves them behind, one pair per server. The workbench notes the files a
+server's processes map or hold open while it runs and removes what is left once the whole group has ended. Only
+/proc is read: the CPU launcher (vllm_cpu.py) uses this in its parent watch, before vLLM is imported.
+
+Not complete: semaphores that multiprocessing's resource tracker holds by name (mapped by no process) are not
+found this way, and when the API process exits on its own SIGTERM before the parent watch acts, the engine's
+segments can stay (seen in tests/test_faults.py's SIGKILL scenarios).
 """
 from __future__ import annotations
 
