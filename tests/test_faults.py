@@ -162,11 +162,12 @@ def test_trainer_sigkilled_then_resumed_has_every_step_once(tmp_path, tiny_model
     assert out.returncode == 0, out.stderr[-3000:]
     assert _steps(train_dir) == list(range(1, 13))  # merged: each step exactly once, up to max_steps
     summary = json.loads((train_dir / "train.json").read_text())
-    assert summary["steps"] == 12 and summary["resumed_from"] == 8 if reached >= 8 else summary["resumed_from"] == 4
+    assert summary["steps"] == 12
+    assert summary["resumed_from"] == (8 if reached >= 8 else 4)  # the newest checkpoint before the kill
     (resume,) = [e for e in read_jsonl(train_dir / "events.jsonl", normalised=False) if e["kind"] == "resume"]
     assert resume["step"] == summary["resumed_from"] and resume["reached"] == reached
     assert (train_dir / "final" / "model.safetensors").exists()
-    assert not _sync_dirs() - {p for p in _sync_dirs() if _alive_owner(p)}  # the killed run's copy is gone too
+    assert not [p for p in _sync_dirs() if not _alive_owner(p)]  # the killed run's copy is gone too
     report = subprocess.run([*_cmd(), "report", str(train_dir.parent)], capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
     assert "resumed from checkpoint" in (train_dir.parent / "report.html").read_text()
@@ -177,10 +178,6 @@ def _alive_owner(name: str) -> bool:
     return pid.isdigit() and psutil.pid_exists(int(pid))
 
 
-class _StopsPushing:
-    """A reload sync that silently stops after two pushes: the server keeps old weights, as a broken sync would."""
-
-
 def test_canary_stops_a_run_whose_sync_stops(tmp_path, tiny_model_dir, monkeypatch):
     from workbench import recipe
     from workbench.serving import sync
@@ -188,17 +185,16 @@ def test_canary_stops_a_run_whose_sync_stops(tmp_path, tiny_model_dir, monkeypat
     from workbench.training.canary import CanaryAlarm
 
     class Stale(sync.ReloadSync):
+        """Stops after two pushes without a word: the server keeps old weights, as a broken sync would."""
+        sent = 0
+
         def send(self, client, metadata, named_params):
-            if len(self.records) + getattr(self, "drained", 0) >= 2:
+            self.sent += 1
+            if self.sent > 2:
                 for _ in named_params:
                     pass
                 return 0
             return super().send(client, metadata, named_params)
-
-        def drain(self):
-            out = super().drain()
-            self.drained = getattr(self, "drained", 0) + len(out)
-            return out
 
     monkeypatch.setattr(sync, "make", lambda rr: Stale())
     before = _sync_dirs()

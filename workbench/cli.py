@@ -48,7 +48,7 @@ def _recipe_args(p: argparse.ArgumentParser, default: str | None = "cpu-tiny") -
 def _resolved(args: argparse.Namespace):
     from workbench import recipe
 
-    return recipe.resolve(recipe.load(args.recipe, args.overrides))
+    return recipe.resolve(recipe.load(args.recipe or "cpu-tiny", args.overrides))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from workbench import recipe
         from workbench.rundir import RunDir
 
-        if args.overrides or args.recipe != "cpu-tiny":
+        if args.overrides or args.recipe:
             raise WorkbenchError("--resume continues a run with its own recipe",
                                  "drop --recipe and the overrides: workbench run --resume RUN")
         run = RunDir.open(args.resume)
@@ -136,11 +136,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from workbench import recipe
     from workbench.rundir import RunDir
 
-    def train(*a, **k):  # imported late: a bad recipe is refused before torch and TRL load
-        from workbench.training.train import train as run
-
-        return run(*a, **k)
-
     if args.resume:
         if args.recipe or args.overrides or args.run_dir:
             raise WorkbenchError("--resume continues a run with its own recipe",
@@ -149,10 +144,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not run.train.recipe.exists():
             raise WorkbenchError(f"{args.resume} has no recipe.yaml", "pass the run directory of a training (runs/<id>)")
         r = recipe.load(str(run.train.recipe))
-        train(recipe.resolve(r), run.train, resume=True)
-        print(f"run directory: {run.path}")
-        return 0
-    if args.run_dir and (Path(args.run_dir) / "recipe.yaml").exists():
+    elif args.run_dir and (Path(args.run_dir) / "recipe.yaml").exists():
         if args.recipe or args.overrides:
             raise WorkbenchError(f"{args.run_dir} already has its recipe.yaml; --recipe and overrides would make the "
                                  "run differ from it", "drop them, or train into a new run directory")
@@ -161,7 +153,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         r = recipe.load(args.recipe or "cpu-tiny", args.overrides)
         run = RunDir.at(args.run_dir, r) if args.run_dir else RunDir.create(r, "train")
-    train(recipe.resolve(r), run.train)
+    from workbench.training.train import train  # late: a bad recipe is refused before torch and TRL load
+
+    train(recipe.resolve(r), run.train, resume=bool(args.resume))
     print(f"run directory: {run.path}")
     return 0
 
@@ -295,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
             "workbench.tasks.tinymodel", cmd_tiny_model)
     p.add_argument("--force", action="store_true", help="rebuild even when a cached model matches")
     p = add("run", "run the staged notebooks with papermill: env, offline, serving, smoke, train, eval",
-            "workbench.pipeline", cmd_run)
+            "workbench.pipeline", cmd_run, recipe=None)  # None: --resume must see whether one was given
     p.add_argument("--stages", help="comma-separated subset of env,offline,serving,smoke,train,eval (default: all)")
     p.add_argument("--resume", metavar="RUN", help="continue an interrupted run: keep the stages that passed, run the "
                                                    "rest, the training from its newest checkpoint")

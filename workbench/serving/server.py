@@ -126,6 +126,7 @@ class VLLMServer:
         self.model_entry: dict | None = None
         self.startup_seconds: float | None = None
         self.shm_files: set[str] = set()  # the running server's /dev/shm files (see shm.py)
+        self.restarts = 0
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self, restarting: bool = False) -> "VLLMServer":
@@ -201,7 +202,7 @@ class VLLMServer:
         """Stop whatever is left of the server, keep its log beside the new one, start it again with the same
         recipe and model (a training run then pushes its current weights: see workbench/training/recovery.py)."""
         self.stop(timeout=10)
-        self.restarts = getattr(self, "restarts", 0) + 1
+        self.restarts += 1
         if self.log_path and self.log_path.exists():
             self.log_path.rename(self.log_path.with_name(f"{self.log_path.stem}.before-restart-{self.restarts}.log"))
         self.start(restarting=True)

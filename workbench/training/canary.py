@@ -1,7 +1,7 @@
 """The weight-parity canary: proof, every N steps, that the server samples from the trainer's weights.
 
     canary = Canary.for_recipe(rr, train_dir, tokenizer)      # None when monitor.canary_every is 0
-    canary.check(model, step, server_logprobs)                 # right after a weight push; -> the gap, logged
+    canary.compare(step, canary.trainer_logprobs(model), server)  # right after a push; logged, may raise
 
 A fixed probe set (the first training prompts, each followed by its gold answer in the answer format) is scored
 by the server (prompt log-probs, teacher forcing, temperature 1) and by the trainer's model in the same state
@@ -14,7 +14,6 @@ Cheap on purpose: a handful of short sequences, one forward pass and one request
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from workbench.errors import WorkbenchError
@@ -134,10 +133,3 @@ class Canary:
     def drain_seconds(self) -> float:
         spent, self.spent = self.spent, 0.0
         return spent
-
-    def check(self, model, step: int, server_logprobs, reason: str = "scheduled") -> Check:
-        """Score both sides now (main rank): `server_logprobs(ids) -> list[float]`."""
-        started = time.perf_counter()
-        trainer = self.trainer_logprobs(model)
-        server = [server_logprobs(ids) for ids in self.sequences]
-        return self.compare(step, trainer, server, time.perf_counter() - started, reason)

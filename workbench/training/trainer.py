@@ -59,7 +59,7 @@ class _SyncingVLLMGeneration(VLLMGeneration):
                 self.recovery.step = self.step
                 # the main rank can push alone only when it holds every parameter whole
                 self.recovery.repush = None if self.sharded else self._push_from_main
-                self.recovery.after = self._canary_on_main if self.canary else None
+                self.recovery.after = self._run_canary if self.canary else None
         self.accelerator.wait_for_everyone()
 
     @property
@@ -67,30 +67,28 @@ class _SyncingVLLMGeneration(VLLMGeneration):
         return bool(self._dist.is_zero3 or self._dist.is_fsdp)
 
     def _push_from_main(self) -> None:
-        if self._weight_metadata is None:
-            self._weight_metadata = [(name, str(p.dtype).removeprefix("torch."), list(p.shape))
-                                     for name, p in self._iter_named_params()]
-        self.vllm_client.update_named_params(self._weight_metadata, self._iter_named_params())
-        self.vllm_client.reset_prefix_cache()
+        # TRL's own push (metadata, parameters, prefix-cache reset), without this class's canary: the recovery runs
+        # its own check afterwards. Only the main rank calls it, so only unsharded parameters get here.
+        VLLMGeneration.sync_weights(self)
 
     def _server_logprobs(self, ids: list[int]) -> list[float]:
         return self.vllm_client._recovering("canary", lambda: self.server_logprobs(ids))
 
-    def _canary_on_main(self, reason: str) -> None:
-        self.canary.check(self.model, self.step(), self._server_logprobs, reason)
+    def _run_canary(self, reason: str = "scheduled") -> None:
+        """Score the probes on both sides. Sharded parameters: every rank runs the forward (it gathers them) and
+        the main rank compares; otherwise the main rank alone does both."""
+        started = time.perf_counter()
+        trainer = self.canary.trainer_logprobs(self.model)
+        if self.accelerator.is_main_process:
+            server = [self._server_logprobs(ids) for ids in self.canary.sequences]
+            self.canary.compare(self.step(), trainer, server, time.perf_counter() - started, reason)
 
     def sync_weights(self):
         super().sync_weights()
         if self.canary is None or self.mode != "server" or not self.canary.due(self.step()):
             return
-        if self.sharded:  # the forward gathers the parameters: every rank takes part, the main rank compares
-            started = time.perf_counter()
-            trainer = self.canary.trainer_logprobs(self.model)
-            if self.accelerator.is_main_process:
-                server = [self._server_logprobs(ids) for ids in self.canary.sequences]
-                self.canary.compare(self.step(), trainer, server, time.perf_counter() - started)
-        elif self.accelerator.is_main_process:
-            self._canary_on_main("scheduled")
+        if self.sharded or self.accelerator.is_main_process:
+            self._run_canary()
 
 
 def vllm_generation_kwargs(trainer: GRPOTrainer, args: GRPOConfig) -> dict:
@@ -119,6 +117,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         training_args: GRPOConfig = kwargs["args"]
         wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
         self.weight_sync = weight_sync
+        self.canary = canary if wants_server else None
         self._phase_seconds: dict[str, float] = {}
         self._completion_tokens = 0
         self._last_log_clock = time.perf_counter()
@@ -173,8 +172,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         if steps <= 0:
             return {}
         sync_s = sum(s for s, _ in pushes)
-        canary = getattr(getattr(self, "vllm_generation", None), "canary", None)
-        canary_s = canary.drain_seconds() if canary is not None else 0.0
+        canary_s = self.canary.drain_seconds() if self.canary is not None else 0.0
         generation = max(0.0, phases.get("generation", 0.0) - sync_s - canary_s)
         rollout = phases.get("rollout", 0.0)
         reward = phases.get("reward", 0.0)
