@@ -31,6 +31,7 @@ def main() -> None:
             out = subprocess.run([sys.executable, "-m", "workbench", *args], capture_output=True, text=True,
                                  env=env, cwd=tmp, timeout=300)
             text = out.stderr.strip().replace(str(tmp), "<tmp>")
+            text = text[text.find("error:"):] if "error:" in text else text  # not vLLM's import-time warnings
             return " ".join(text.splitlines()), out.returncode
 
         with ThreadPoolExecutor(max_workers=2) as pool:

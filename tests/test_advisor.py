@@ -73,6 +73,25 @@ def test_trainer_waiting_on_a_server_with_few_requests_in_flight():
     assert "4.0 requests" in finding.evidence and "32 completions" in finding.evidence
 
 
+def test_idle_server_advice_names_async_rollouts_only_where_they_are_off():
+    sync_run = advisor.idle_server(advisor.RunRecords(healthy_metrics(), busy_devices(server=12.0), [], RECIPE))
+    assert "rollout.mode: async" in sync_run.suggestion
+    assert "the server generated during 35% of each step" in sync_run.evidence
+    already = {**RECIPE, "rollout": {"mode": "async"}}
+    async_run = advisor.idle_server(advisor.RunRecords(healthy_metrics(), busy_devices(server=12.0), [], already))
+    assert "rollout.mode" not in async_run.suggestion
+
+
+def test_an_async_run_that_barely_waits_for_its_rollouts_is_not_generation_bound():
+    rows = healthy_metrics()
+    for r in rows:  # the server generates most of the step, but behind the training
+        r["time/generation"], r["time/rollout_wait"], r["time/optimisation"] = 0.7, 0.02, 0.6
+    assert rules_fired(metrics=rows, rollout=full_rollout(running=4.0)) == set()
+    for r in rows:
+        r["time/rollout_wait"] = 0.6
+    assert rules_fired(metrics=rows, rollout=full_rollout(running=4.0)) == {"low_concurrency"}
+
+
 def test_long_tail_completions():
     rows = healthy_metrics()
     for r in rows:

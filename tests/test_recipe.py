@@ -14,7 +14,7 @@ def grpo_config(r, output_dir, platform=None):
     return training_config.grpo_config(recipe.resolve(r, platform=platform), output_dir)
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "smoke", "ascend-910b-8card"])
+@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-tiny-async", "smoke", "ascend-910b-8card"])
 def test_shipped_recipes_load_and_build_a_real_grpo_config(name, tmp_path):
     from trl import GRPOConfig
 
@@ -111,7 +111,7 @@ def test_trainer_keys_are_read_from_trl_source_without_importing_it():
 
 
 def test_missing_recipe_lists_available():
-    with pytest.raises(WorkbenchError, match="'nope' does not exist.*ascend-910b-8card, cpu-tiny, smoke"):
+    with pytest.raises(WorkbenchError, match="'nope' does not exist.*ascend-910b-8card, cpu-tiny, cpu-tiny-async, smoke"):
         recipe.load("nope")
 
 

@@ -68,3 +68,44 @@ def test_vllm_reload_weights_takes_a_path():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     assert "weights_path" in inspect.signature(GPUModelRunner.reload_weights).parameters
+
+
+# --- async rollouts (workbench/training/overlap.py) -------------------------------------------------------------
+
+def test_the_async_extension_mirrors_trls_server_request_and_hooks():
+    """The early request repeats what VLLMGeneration.generate sends in server mode; the trainer hooks it relies on
+    (one-step data lookahead, prompt tokenisation, sync-before-generate) are where it expects them."""
+    from transformers import Trainer
+
+    from workbench.training.overlap import Ahead
+
+    generate = inspect.getsource(VLLMGeneration.generate)
+    sent = re.search(r"sampling_params = \{(.*?)\n\s*\}", generate, re.S).group(1)
+    keys = set(re.findall(r'"(\w+)":', sent))
+    fake = types.SimpleNamespace(repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+                                 max_completion_length=8, logprobs=0, structured_outputs_regex=None,
+                                 generation_kwargs=None)
+    assert set(Ahead(fake).sampling(4)) == keys
+    assert "all_prompts[::num_generations]" in generate and "broadcast_object_list(obj_list, from_process=0)" in generate
+    assert list(inspect.signature(VLLMGeneration.generate).parameters) == [
+        "self", "prompts", "images", "num_generations", "profiler"]
+    assert list(inspect.signature(Trainer.get_batch_samples).parameters) == [
+        "self", "epoch_iterator", "num_batches", "device"]
+    import transformers.trainer
+
+    assert "self.get_batch_samples(epoch_iterator, num_batches" in inspect.getsource(transformers.trainer)
+    single = inspect.getsource(grpo_trainer.GRPOTrainer._generate_single_turn)
+    assert single.index("self.vllm_generation.sync_weights()") < single.index("self.vllm_generation.generate(")
+    assert "prompt_ids, images, multimodal_fields = self._tokenize_prompts(prompts)" in inspect.getsource(
+        grpo_trainer.GRPOTrainer._generate)
+
+
+def test_trls_async_grpo_trainer_still_needs_the_cuda_only_kernel():
+    """Why async mode extends the synchronous trainer instead of using AsyncGRPOTrainer (overlap.py's docstring):
+    its loss forward runs on a FlashAttention-3 kernel fetched from the Hub. When this fails, TRL has changed that
+    and the decision should be revisited."""
+    from trl.experimental.async_grpo import async_grpo_trainer, packing
+
+    assert packing.TREE_ATTENTION == "tree_fa3"
+    assert "kernels-community/flash-attn3" in inspect.getsource(packing._flash_attn)
+    assert "attn_implementation=TREE_ATTENTION" in inspect.getsource(async_grpo_trainer.AsyncGRPOTrainer.__init__)

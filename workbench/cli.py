@@ -22,9 +22,7 @@ from typing import Callable
 from workbench.errors import WorkbenchError
 
 PACKAGE = Path(__file__).resolve().parent
-TODO = {  # name: one-line help
-    "bench": "compare rollout paths (in-process, colocated, server, async) on this machine (not built yet)",
-}
+TODO: dict[str, str] = {}  # name: one-line help, for subcommands announced before they are built
 
 
 def _doc(module: str) -> str:
@@ -251,6 +249,19 @@ def _sweep(rr, concurrencies: list[int]) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from workbench import recipe
+    from workbench.training import bench
+
+    def names(text: str | None) -> list[str] | None:
+        return [n.strip() for n in text.split(",") if n.strip()] if text else None
+
+    base = recipe.load(args.recipe or "cpu-tiny", args.overrides)  # the run directory follows monitor.runs_dir
+    bench.run(base, steps=args.steps, warmup=args.warmup, sizes=names(args.sizes), paths=names(args.paths),
+              concurrencies=_concurrencies(args.concurrency), overrides=args.overrides)
+    return 0
+
+
 def _todo(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         raise WorkbenchError(f"`workbench {name}` is not built yet",
@@ -318,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the server's throughput at these concurrencies against a sequential loop, then exit")
     p.add_argument("--model", action="append", metavar="LABEL=PATH",
                    help="a model directory to evaluate, repeatable (default: the recipe's model as 'base')")
+    p = add("bench", "every rollout path (in-process, colocate, server, async) timed on this machine",
+            "workbench.training.bench", cmd_bench)
+    p.add_argument("--steps", type=int, default=4, help="measured steps per path (default: 4)")
+    p.add_argument("--warmup", type=int, default=1, help="steps before the measured ones (default: 1)")
+    p.add_argument("--sizes", help="comma-separated: tiny,100m (default: both for a tiny-model recipe)")
+    p.add_argument("--paths", help="comma-separated: in-process,colocate,server,async (default: all)")
+    p.add_argument("--concurrency", default="1,2,4", metavar="C1,C2,...",
+                   help="training requests in flight for the server's saturated throughput (default: 1,2,4)")
     for name, short in TODO.items():
         p = sub.add_parser(name, help=short, description=short)
         _recipe_args(p)

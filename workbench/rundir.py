@@ -17,6 +17,7 @@ One layout for every run, whether `workbench run` executed all stages or `workbe
                  vllm-server-<port>.log  checkpoints/ (TRL's, with completions/)  final/  STOP
                  accelerate.yaml (several ranks)  ranks.json (each rank's process, device and environment)
         eval/    samples.jsonl  summary.json  comparison.md  comparison.png  vllm-server-<port>.log
+        bench/   bench.json  bench.md  bench.png  <size>-<path>/ (a training directory per rollout path)
 
 Each stage's result type saves and loads itself through these paths (offline, serving sweep, smoke checks,
 training summary, evaluation); readers (report, advisor, dashboard, analysis) go through the same object.
@@ -149,6 +150,7 @@ class RunDir:
         self.serving = StageDir(self.path / "serving", json="serving.json", figure="serving.png")
         self.eval = StageDir(self.path / "eval", samples="samples.jsonl", summary="summary.json",
                              table="comparison.md", figure="comparison.png")
+        self.bench = StageDir(self.path / "bench", json="bench.json", table="bench.md", figure="bench.png")
         self.smoke = TrainDir(self.path / "smoke")
         self.train = TrainDir(self.path / "train")
 

@@ -93,18 +93,30 @@ def idle_server(records) -> Finding | None:
         return None
     optimisation = _mean(_series(records.metrics, "time/optimisation"))
     step = _mean(_series(records.metrics, "time/step"))
+    generation = _mean(_series(records.metrics, "time/generation"))
     share = f", optimisation {optimisation / step:.0%} of each step" if optimisation and step else ""
+    if generation and step:  # the same number `workbench bench` turns into rollout efficiency
+        share += f"; the server generated during {min(1.0, generation / step):.0%} of each step"
     trainer_txt = f" while trainer devices average {t_mean:.0f}%" if t_mean is not None else ""
+    overlap = ("" if _rollout_mode(records) == "async" else
+               "overlap generation with training (rollout.mode: async, one step stale: `workbench bench` measures "
+               "the gain on this machine), ")
     return Finding(
         "idle_server", "warning", "Inference devices are mostly idle",
         f"server devices average {s_mean:.0f}% utilization over {len(server)} samples{trainer_txt}{share}",
-        "the trainer side is the bottleneck: move devices from devices.server to devices.trainer (or a smaller "
-        "server tensor_parallel_size), or raise trainer.steps_per_generation so one rollout feeds several "
+        f"the trainer side is the bottleneck: {overlap}move devices from devices.server to devices.trainer (or a "
+        "smaller server tensor_parallel_size), or raise trainer.steps_per_generation so one rollout feeds several "
         "optimizer steps")
 
 
+def _rollout_mode(records) -> str:
+    return ((records.recipe or {}).get("rollout") or {}).get("mode", "sync")
+
+
 def low_concurrency(records) -> Finding | None:
-    generation, step = _series(records.metrics, "time/generation"), _series(records.metrics, "time/step")
+    # what the trainer waited for: the whole generation when synchronous, only the uncovered part when async
+    generation = _series(records.metrics, "time/rollout_wait") or _series(records.metrics, "time/generation")
+    step = _series(records.metrics, "time/step")
     running = [r["running"] for r in records.rollout if isinstance(r.get("running"), (int, float)) and r["running"] > 0]
     if not generation or not step or len(running) < 3:
         return None

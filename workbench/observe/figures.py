@@ -18,8 +18,16 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: headless everywhere (papermill, CI, a training process)
 import matplotlib.pyplot as plt  # noqa: E402
 
-PHASES = [("time/generation", "generation"), ("time/weight_sync", "weight sync"), ("time/reward", "reward"),
+# the phases that add up to a step: the trainer's wait for rollouts (all of the generation when synchronous, the
+# part the step did not cover when async; runs from before the split logged only time/generation)
+PHASES = [("time/rollout_wait", "waiting for rollouts"), ("time/weight_sync", "weight sync"), ("time/reward", "reward"),
           ("time/scoring", "log-probs & rest"), ("time/optimisation", "optimisation")]
+
+
+def phase(row: dict, key: str) -> float:
+    if key == "time/rollout_wait" and key not in row:
+        return row.get("time/generation", 0.0)
+    return row.get(key, 0.0)
 ROLE_COLORS = {"server": "tab:blue", "trainer": "tab:orange"}
 
 
@@ -109,7 +117,7 @@ def training_figure(data, title: str | None = None):
 
     steps = [r["step"] for r in metrics if "time/step" in r]
     if steps:
-        stacks = [[r.get(key, 0.0) for r in metrics if "time/step" in r] for key, _ in PHASES]
+        stacks = [[phase(r, key) for r in metrics if "time/step" in r] for key, _ in PHASES]
         ax[5].stackplot(steps, *stacks, labels=[label for _, label in PHASES], alpha=0.85)
         ax[5].legend(fontsize=7, loc="upper left")
         ax[5].set_title("step time breakdown (s/step)")

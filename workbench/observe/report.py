@@ -140,12 +140,13 @@ def _training(train_dir: TrainDir) -> str:
     steps = [r for r in data.train_metrics if "time/step" in r]
     if steps:
         def mean(key):
-            values = [r.get(key, 0.0) for r in steps]
+            values = [figures.phase(r, key) for r in steps]
             return sum(values) / len(values)
         total = mean("time/step")
         rows = [[label, f"{mean(key):.3f}", f"{100 * mean(key) / total:.0f}%"] for key, label in figures.PHASES]
         rows.append(["whole step", f"{total:.3f}", "100%"])
         out += "<h3>Step-time breakdown (mean over the run)</h3>" + _table(["phase", "seconds/step", "share"], rows)
+        out += _rollouts(data, steps)
     findings = advisor.advise(data)
     out += "<h2>Advisor</h2>"
     if findings:
@@ -161,6 +162,31 @@ def _training(train_dir: TrainDir) -> str:
         out += ("<p class='bad'>No train.json: the training did not finish (crashed or killed). The curves show every "
                 "step it logged.</p>")
     return out
+
+
+def _rollouts(data: RunData, steps: list[dict]) -> str:
+    """How stale the batches were and how far the sampler's log-probs were from the trainer's: the price of async
+    rollouts (and, when synchronous, a check that the sync is exact)."""
+    def values(key):
+        return [r[key] for r in steps if isinstance(r.get(key), (int, float))]
+
+    mode = ((data.recipe or {}).get("rollout") or {}).get("mode", "sync")
+    rows = []
+    for key, label, fmt in (("rollout/staleness", "staleness (optimizer steps between sampler and trainer)", "{:.2f}"),
+                            ("time/generation", "server generation (s/step)", "{:.3f}"),
+                            ("time/rollout_wait", "trainer waited for it (s/step)", "{:.3f}"),
+                            ("sampling/sampling_logp_difference/mean", "sampler − trainer log-prob gap (mean)", "{:.2e}"),
+                            ("sampling/sampling_logp_difference/max", "sampler − trainer log-prob gap (max)", "{:.2e}"),
+                            ("sampling/importance_sampling_ratio/min", "importance-sampling ratio (min)", "{:.3f}"),
+                            ("sampling/importance_sampling_ratio/max", "importance-sampling ratio (max)", "{:.3f}")):
+        found = values(key)
+        if found:
+            rows.append([label, fmt.format(sum(found) / len(found)), fmt.format(max(found) if "min" not in key
+                                                                                 else min(found))])
+    if not rows:
+        return ""
+    return (f"<h3>Rollouts ({_e(mode)})</h3>"
+            + _table(["", "mean over the run", "worst step"], rows))
 
 
 def _smoke(run: RunDir) -> str:

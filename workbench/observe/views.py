@@ -39,7 +39,8 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
             if a is not None:
                 out.append((f"{label} (first → last fifth)", f"{a:.3g} → {b:.3g}"))
         phases = [(key, f"  {label}") for key, label in figures.PHASES]
-        for key, label in [("time/step", "step time (s)"), *phases, ("rollout/tokens_per_second", "rollout tokens/s")]:
+        for key, label in [("time/step", "step time (s)"), *phases, ("rollout/tokens_per_second", "rollout tokens/s"),
+                           ("rollout/staleness", "rollout staleness (steps)")]:
             value = avg(rows, key)
             if value is not None:
                 out.append((label, f"{value:.3g}"))

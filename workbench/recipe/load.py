@@ -314,8 +314,11 @@ def _ranges(recipe: Recipe) -> list[WorkbenchError]:
     for where, value in (("model.tiny.vocab_size", t.vocab_size), ("model.tiny.hidden_size", t.hidden_size),
                          ("model.tiny.num_layers", t.num_layers), ("model.tiny.num_heads", t.num_heads),
                          ("model.tiny.num_kv_heads", t.num_kv_heads), ("model.tiny.batch_size", t.batch_size),
-                         ("model.tiny.pretrain_steps", t.pretrain_steps), ("model.tiny.eval_size", t.eval_size)):
+                         ):
         out.append(_at_least(where, value, 1))
+    # 0 pre-training steps: a random-weight model of the same architecture (the benchmark's larger size)
+    out.append(_at_least("model.tiny.pretrain_steps", t.pretrain_steps, 0))
+    out.append(_at_least("model.tiny.eval_size", t.eval_size, 0))
     out.append(_at_least("model.tiny.learning_rate", t.learning_rate, 0, strict=True))
     if t.num_heads >= 1 and t.hidden_size % t.num_heads:
         out.append(WorkbenchError(f"model.tiny.hidden_size={t.hidden_size} is not divisible by num_heads={t.num_heads}",
@@ -346,6 +349,32 @@ def _ranges(recipe: Recipe) -> list[WorkbenchError]:
             out.append(WorkbenchError(f"{where} repeats ids {sorted({i for i in ids if ids.count(i) > 1})}",
                                       "list each device once"))
     return [p for p in out if p is not None]
+
+
+def _rollout(recipe: Recipe) -> list[WorkbenchError]:
+    """What an overlapped (async) rollout needs: a server to overlap with, one generation per optimizer step, and
+    TRL's importance-sampling correction for the step-old samples."""
+    if recipe.rollout.mode != "async":
+        return []
+    out, t = [], recipe.trainer
+    if recipe.server.mode not in ("managed", "attach"):
+        out.append(WorkbenchError(f"rollout.mode is 'async' but server.mode is {recipe.server.mode!r}",
+                                  "async rollouts overlap a vLLM server with training: set server.mode to managed "
+                                  "or attach, or rollout.mode to sync"))
+    if t.get("num_iterations", 1) != 1:
+        out.append(WorkbenchError(f"rollout.mode is 'async' with trainer.num_iterations={t['num_iterations']}",
+                                  "async rollouts generate one batch per optimizer step: set num_iterations to 1"))
+    spg, ga = t.get("steps_per_generation"), t.get("gradient_accumulation_steps", 1)
+    if spg is not None and spg != ga:
+        out.append(WorkbenchError(f"rollout.mode is 'async' with trainer.steps_per_generation={spg} but "
+                                  f"gradient_accumulation_steps={ga}",
+                                  "async rollouts generate one batch per optimizer step: drop steps_per_generation "
+                                  "or make it equal to gradient_accumulation_steps"))
+    if t.get("vllm_importance_sampling_correction") is False:
+        out.append(WorkbenchError("rollout.mode is 'async' but trainer.vllm_importance_sampling_correction is false",
+                                  "async batches were sampled by the previous step's weights: set "
+                                  "trainer.vllm_importance_sampling_correction to true (TRL's default)"))
+    return out
 
 
 def _data(recipe: Recipe) -> list[WorkbenchError]:
@@ -410,7 +439,8 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
         except WorkbenchError as exc:
             problems.append(WorkbenchError(f"rewards.{name}: {exc.cause}", exc.fix))
     choices = {
-        "server.mode": (recipe.server.mode, ("managed", "attach", "off")),
+        "server.mode": (recipe.server.mode, ("managed", "attach", "colocate", "off")),
+        "rollout.mode": (recipe.rollout.mode, ("sync", "async")),
         "server.weight_sync": (recipe.server.weight_sync, ("auto", "nccl", "hccl", "reload", "none")),
         "devices.platform": (recipe.devices.platform, ("auto", "cpu", "cuda", "npu")),
         "eval.endpoint": (recipe.eval.endpoint, ("chat", "completions")),
@@ -433,6 +463,7 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
     if recipe.server.mode == "attach" and not recipe.server.url:
         problems.append(WorkbenchError("server.mode is 'attach' but server.url is not set",
                                        "set server.url to the running server, e.g. http://127.0.0.1:8000"))
+    problems += _rollout(recipe)
     problems += _ranges(recipe)
     problems += _data(recipe)
     try:

@@ -1,6 +1,7 @@
 """The recipe's sections as dataclasses: every knob, its type, its default and (in a comment) what it does.
 
-A recipe has eight sections: model, data, server, trainer, rewards, devices, monitor, eval. Each knob lives in
+A recipe has ten sections: model, data, server, rollout, trainer, rewards, devices, distributed, monitor, eval. Each
+knob lives in
 exactly one of them; the trainer arguments TRL needs for the server, the rewards and the device come from the
 other sections (workbench.training.config), never from a second copy.
 """
@@ -12,7 +13,7 @@ from typing import Any
 
 import yaml
 
-SECTIONS = ("model", "data", "server", "trainer", "rewards", "devices", "distributed", "monitor", "eval")
+SECTIONS = ("model", "data", "server", "rollout", "trainer", "rewards", "devices", "distributed", "monitor", "eval")
 
 
 
@@ -61,7 +62,9 @@ class DataConfig:
 
 @dataclass
 class ServerConfig:
-    mode: str = "managed"  # managed (the workbench starts vLLM) | attach (someone else's, at url) | off (no vLLM)
+    # managed (the workbench starts vLLM) | attach (someone else's, at url) | colocate (a vLLM engine inside the
+    # trainer process, TRL's colocate mode; `workbench train` and `bench` only) | off (TRL's in-process generate)
+    mode: str = "managed"
     url: str | None = None  # for attach, e.g. http://10.0.0.5:8001
     host: str = "127.0.0.1"  # loopback unless you mean it: weight-update endpoints are open on this address
     port: int = 8000
@@ -84,6 +87,14 @@ class ServerConfig:
     request_timeout_s: float = 600.0  # a generation request unanswered this long counts as a hung server
     extra_args: list[str] = field(default_factory=list)  # more vLLM flags, passed as they are
     env: dict[str, str] = field(default_factory=dict)  # more environment variables for the server only
+
+
+@dataclass
+class RolloutConfig:
+    # sync: ask the server for a batch, wait, train on it (TRL's loop as shipped).
+    # async: while a step trains, the server already generates the next step's batch with the weights pushed at
+    # that step's start: one step stale, corrected by TRL's importance sampling (trainer.vllm_importance_sampling_*)
+    mode: str = "sync"
 
 
 @dataclass
@@ -143,6 +154,7 @@ class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: dict[str, Any] = field(default_factory=dict)  # trl.GRPOConfig arguments, checked against it
     rewards: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.2})
     devices: DevicesConfig = field(default_factory=DevicesConfig)

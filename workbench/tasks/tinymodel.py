@@ -144,6 +144,9 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 48
     """Exact-match and format rates of greedy answers, scored by the same rewards GRPO uses."""
     import torch
 
+    if not rows:  # model.tiny.eval_size: 0 (the benchmark's random-weight model is not scored)
+        return {"n": 0, "accuracy": 0.0, "format_rate": 0.0, "samples": []}
+
     from workbench.tasks import rewards
 
     texts: list[str] = []

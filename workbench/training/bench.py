@@ -1,0 +1,327 @@
+"""`workbench bench`: one GRPO configuration through every rollout path on this machine, measured in one run.
+
+    workbench bench --recipe cpu-tiny                          # tiny + ~100M random-weight model, 4 paths (~12 min)
+    workbench bench --recipe cpu-tiny --sizes tiny --steps 3 --warmup 1 --paths server,async
+    notebooks/06_bench.ipynb                                   # the same, with the table and the figure inline
+
+Paths: `in-process` (TRL's own `generate` in the trainer process, server.mode off), `colocate` (TRL's vLLM engine
+inside the trainer process), `server` (the managed vLLM server, synchronous) and `async` (the managed server, the
+next batch generated while the current step trains: workbench/training/overlap.py). On the CPU the paths without a
+server get the server's cores too: the trade-off a user faces is "give cards to a server, or keep them all".
+
+Per path: the median over the measured steps (after `--warmup` steps) of the step time and its breakdown
+(generation as the server ran it, the trainer's wait for it, weight sync, reward, scoring, optimisation), the
+completion tokens per step, the generation's tokens/s, and the rollout efficiency: completion tokens per second of
+training ÷ the server's saturated tokens/s for the same request (a concurrency sweep against the same server, in the
+same run). Sizes: the recipe's model and, for the tiny model, a ~100M-parameter model of the same architecture with
+random weights (built locally, no download), at 128-token completions and a smaller batch.
+
+Output: RUN/bench/bench.json (every number, the machine and the versions), bench.md (the table), bench.png, and one
+training directory per size and path (bench/<size>-<path>/: metrics.jsonl, devices.jsonl, train.json).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from workbench.errors import WorkbenchError
+from workbench.recipe import Resolved, load, resolve
+from workbench.rundir import RunDir, StageDir, TrainDir, write_atomic
+
+PATHS = {  # name -> what the recipe says for it
+    "in-process": ["server.mode=off", "rollout.mode=sync"],
+    "colocate": ["server.mode=colocate", "rollout.mode=sync"],
+    "server": ["server.mode=managed", "rollout.mode=sync"],
+    "async": ["server.mode=managed", "rollout.mode=async"],
+}
+SIZES = {  # name -> overrides on a tiny-model recipe ("tiny": the recipe as it is)
+    "tiny": [],
+    # the tiny model's architecture (Qwen2, vocab 512) at ~95M parameters, random weights, 128-token completions,
+    # 2 prompts × 4 completions a step: a CPU step stays in the tens of seconds
+    "100m": ["model.tiny.hidden_size=1024", "model.tiny.num_layers=10", "model.tiny.num_heads=16",
+             "model.tiny.num_kv_heads=8", "model.tiny.pretrain_steps=0", "model.tiny.eval_size=0",
+             "trainer.max_completion_length=128", "trainer.per_device_train_batch_size=8",
+             "trainer.num_generations=4", "trainer.temperature=1.0"],
+}
+BREAKDOWN = ["time/generation", "time/rollout_wait", "time/weight_sync", "time/reward", "time/scoring",
+             "time/optimisation"]
+HEADER = ["size", "path", "step s", "vs server", "generation s", "waited s", "sync s", "reward s", "scoring s",
+          "optimisation s", "tokens/step", "generation tok/s", "training tok/s", "rollout efficiency"]
+
+
+@dataclass
+class PathResult:
+    size: str
+    path: str
+    steps: int
+    step_seconds: float
+    breakdown: dict[str, float]
+    tokens_per_step: float
+    generation_tokens_per_second: float | None
+    training_tokens_per_second: float
+    staleness: float
+    sampler_cpu_percent: float | None  # the monitor's sampler, % of one core over the training
+    train_dir: str
+    efficiency: float | None = None  # training tokens/s ÷ the server's saturated tokens/s (server paths)
+
+
+@dataclass
+class Bench:
+    recipe: str
+    steps: int
+    warmup: int
+    machine: dict
+    results: list[PathResult] = field(default_factory=list)
+    saturation: dict[str, dict] = field(default_factory=dict)  # size -> {concurrency: tokens/s, ..., "best": ..}
+    sizes: dict[str, dict] = field(default_factory=dict)  # size -> parameters, completion tokens, batch
+    seconds: float = 0.0
+
+    def result(self, size: str, path: str) -> PathResult | None:
+        return next((r for r in self.results if r.size == size and r.path == path), None)
+
+    def rows(self) -> list[list[str]]:
+        out = []
+        for r in self.results:
+            base = self.result(r.size, "server")
+            ratio = f"{r.step_seconds / base.step_seconds:.2f}" if base and base.step_seconds else "—"
+            b = r.breakdown
+            out.append([r.size, r.path, f"{r.step_seconds:.2f}", ratio] + [f"{b.get(k, 0.0):.2f}" for k in BREAKDOWN]
+                       + [f"{r.tokens_per_step:.0f}",
+                          f"{r.generation_tokens_per_second:.0f}" if r.generation_tokens_per_second else "—",
+                          f"{r.training_tokens_per_second:.0f}",
+                          f"{r.efficiency:.0%}" if r.efficiency is not None else "—"])
+        return out
+
+    def markdown(self) -> str:
+        m = self.machine
+        lines = [f"`workbench bench --recipe {self.recipe}`: {self.steps} measured steps after {self.warmup} warm-up "
+                 f"step(s), medians; {m.get('date', '')}; {m.get('summary', '')}", "",
+                 "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows()]
+        for size, sat in self.saturation.items():
+            levels = ", ".join(f"{c} in flight {v:.0f}" for c, v in sat.items() if c != "best")
+            lines.append(f"\n{size}: server saturated at {sat.get('best', 0):.0f} tokens/s for the training request "
+                         f"({levels}); {self.sizes.get(size, {}).get('parameters', 0) / 1e6:.1f}M parameters")
+        return "\n".join(lines) + "\n"
+
+    def save(self, stage: StageDir) -> Path:
+        stage.make()
+        write_atomic(stage.table, self.markdown())
+        return write_atomic(stage.json, json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, stage: StageDir) -> "Bench":
+        raw = json.loads(Path(stage.json).read_text())
+        raw["results"] = [PathResult(**r) for r in raw.get("results", [])]
+        return cls(**raw)
+
+    def figure(self, path: Path) -> Path:
+        """Stacked step-time breakdown per path, one panel per size."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        sizes = list(dict.fromkeys(r.size for r in self.results))
+        fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 3.6), squeeze=False)
+        parts = ["time/rollout_wait", "time/weight_sync", "time/reward", "time/scoring", "time/optimisation"]
+        labels = ["waiting for rollouts", "weight sync", "reward", "scoring", "optimisation"]
+        for ax, size in zip(axes[0], sizes):
+            mine = [r for r in self.results if r.size == size]
+            bottom = [0.0] * len(mine)
+            for part, label in zip(parts, labels):
+                values = [r.breakdown.get(part, 0.0) for r in mine]
+                ax.bar([r.path for r in mine], values, bottom=bottom, label=label)
+                bottom = [a + b for a, b in zip(bottom, values)]
+            for i, r in enumerate(mine):
+                ax.text(i, r.step_seconds, f"{r.step_seconds:.2f}s", ha="center", va="bottom", fontsize=8)
+            ax.set_title(f"{size}: median step time")
+            ax.set_ylabel("seconds per step")
+        handles, names = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, names, fontsize=8, loc="lower center", ncol=len(names), frameon=False)
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+
+def machine(rr: Resolved) -> dict:
+    """Cores, memory, accelerator and the versions the numbers were measured with."""
+    import importlib.metadata as md
+
+    import psutil
+
+    def version(name: str) -> str:
+        for dist in (name, f"{name}-cpu"):
+            try:
+                return md.version(dist)
+            except md.PackageNotFoundError:
+                continue
+        return "-"
+
+    cores = len(os.sched_getaffinity(0))
+    memory = psutil.virtual_memory().total / 2**30
+    accelerator = rr.platform
+    if rr.platform == "cuda":
+        import torch
+        accelerator = torch.cuda.get_device_name(0)
+    versions = {name: version(name) for name in ("torch", "vllm", "trl", "transformers", "accelerate")}
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": cores, "memory_gib": round(memory, 1),
+            "accelerator": accelerator, "cpu": platform.processor() or platform.machine(), "versions": versions,
+            "split": {"server": list(rr.server.devices), "trainer": list(rr.trainer.devices)},
+            "summary": f"{platform.machine()}, {cores} cores, {memory:.0f} GiB, {accelerator}; "
+                       + ", ".join(f"{k} {v}" for k, v in versions.items())}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def summarise(size: str, path: str, train_dir: TrainDir, warmup: int) -> PathResult:
+    """Medians over the logged steps after the warm-up (metrics.jsonl, one line per step)."""
+    from workbench.observe.records import read_jsonl
+
+    lines = [m for m in read_jsonl(train_dir.metrics, normalised=False) if "time/step" in m]
+    measured = [m for m in lines if m.get("step", 0) > warmup] or lines
+    if not measured:
+        raise WorkbenchError(f"the {size} {path} training logged no step", f"read {train_dir.log}")
+    step = _median([m["time/step"] for m in measured])
+    tokens = _median([m.get("rollout/completion_tokens", 0.0) for m in measured])
+    generation = [m["rollout/tokens_per_second"] for m in measured if m.get("rollout/tokens_per_second")]
+    summary = json.loads(train_dir.summary.read_text()) if train_dir.summary.exists() else {}
+    monitor, seconds = summary.get("monitor") or {}, summary.get("train_seconds") or 0
+    return PathResult(
+        size=size, path=path, steps=len(measured), step_seconds=step,
+        breakdown={k: _median([m.get(k, 0.0) for m in measured]) for k in BREAKDOWN},
+        tokens_per_step=tokens, generation_tokens_per_second=_median(generation) if generation else None,
+        training_tokens_per_second=tokens / step if step else 0.0,
+        staleness=_median([m.get("rollout/staleness", 0.0) for m in measured]),
+        sampler_cpu_percent=100 * monitor["cpu_seconds"] / seconds if monitor.get("cpu_seconds") and seconds else None,
+        train_dir=str(train_dir.path))
+
+
+def saturation(rr: Resolved, url: str, concurrencies: list[int], rounds: int = 2) -> dict:
+    """The server's completion tokens/s for the training's own request (its prompts, n, max tokens, temperature)
+    with 1, 2, 4... such requests in flight at once."""
+    from transformers import AutoTokenizer
+
+    from workbench.serving import sync
+    from workbench.tasks import dataset
+
+    args = rr.recipe.trainer
+    n = int(args.get("num_generations", 8))
+    prompts_per_step = max(1, int(args.get("per_device_train_batch_size", n)) // n)
+    tokenizer = AutoTokenizer.from_pretrained(rr.model_path)
+    rows = dataset.recipe_rows(rr.recipe, tokenizer=tokenizer)[:prompts_per_step]
+    texts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    client = sync.SyncingVLLMClient(base_url=url, weight_sync=sync.NoSync(), headers=rr.headers,
+                                    request_timeout=rr.recipe.server.request_timeout_s)
+    params = {"n": n, "temperature": float(args.get("temperature", 1.0)), "max_tokens": rr.recipe.max_completion_length}
+    client.generate(prompts=prompts, **params)  # warm-up
+    out: dict = {}
+    for c in concurrencies:
+        tokens = [0] * c
+
+        def worker(i: int) -> None:
+            for _ in range(rounds):
+                answer = client.generate(prompts=prompts, **params)
+                tokens[i] += sum(len(ids) for ids in answer["completion_ids"])
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(c)]
+        started = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out[str(c)] = sum(tokens) / (time.perf_counter() - started)
+    out["best"] = max(v for k, v in out.items())
+    return out
+
+
+def _recipe(base, size: str, path: str, steps: int, warmup: int, extra: list[str]):
+    common = [f"trainer.max_steps={steps + warmup}", "trainer.logging_steps=1", "trainer.save_strategy=no",
+              "trainer.log_completions=false", "trainer.vllm_importance_sampling_correction=true",
+              "monitor.canary_every=0"]
+    recipe = load(base, SIZES[size] + common + PATHS[path] + extra)
+    needed = recipe.data.max_prompt_length + recipe.max_completion_length
+    if recipe.server.max_model_len < needed:
+        recipe = load(recipe, [f"server.max_model_len={needed}"])
+    return resolve(recipe)
+
+
+def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None, paths: list[str] | None = None,
+        concurrencies: list[int] | None = None, overrides: list[str] | None = None, log=print) -> tuple[Bench, RunDir]:
+    """Every size × path, one after the other (never two at once: they would share cores). `recipe` is a loaded
+    Recipe; `overrides` apply to every path (e.g. monitor.canary_every=1)."""
+    from workbench.serving.server import VLLMServer
+    from workbench.tasks import tinymodel
+    from workbench.training.train import run_trainer
+
+    sizes = sizes or (list(SIZES) if recipe.model.path == "tiny" else ["tiny"])
+    paths = paths or list(PATHS)
+    overrides = list(overrides or [])
+    for name in sizes:
+        if name not in SIZES:
+            raise WorkbenchError(f"--sizes names {name!r}", f"use some of: {', '.join(SIZES)}")
+        if name != "tiny" and recipe.model.path != "tiny":
+            raise WorkbenchError(f"size {name!r} builds a random-weight copy of the tiny model, but model.path is "
+                                 f"{recipe.model.path!r}", "bench this recipe with --sizes tiny (its own model)")
+    for name in paths:
+        if name not in PATHS:
+            raise WorkbenchError(f"--paths names {name!r}", f"use some of: {', '.join(PATHS)}")
+    if steps < 1 or warmup < 0:
+        raise WorkbenchError(f"--steps {steps} --warmup {warmup}", "measure 1 or more steps after 0 or more warm-up steps")
+    # every recipe is checked before anything starts
+    plans = {(s, p): _recipe(recipe, s, p, steps, warmup, overrides) for s in sizes for p in paths}
+    first = next(iter(plans.values()))
+    from workbench.training.config import preflight
+
+    for rr in plans.values():
+        preflight(rr)
+    run_dir = RunDir.create(recipe, "bench")
+    stage = run_dir.bench.make()
+    bench = Bench(recipe=recipe.name, steps=steps, warmup=warmup, machine=machine(first))
+    started = time.time()
+    for size in sizes:
+        model_path = tinymodel.ensure_model(plans[(size, paths[0])], log=log)
+        bench.sizes[size] = {"parameters": tinymodel.info(model_path)["parameters"] if plans[(size, paths[0])].is_tiny
+                             else None, "completion_tokens": plans[(size, paths[0])].recipe.max_completion_length,
+                             "completions_per_step": plans[(size, paths[0])].recipe.trainer.get(
+                                 "per_device_train_batch_size")}
+        local = [p for p in paths if PATHS[p][0] != "server.mode=managed"]
+        served = [p for p in paths if PATHS[p][0] == "server.mode=managed"]
+        for path in local:
+            rr = plans[(size, path)]
+            train_dir = TrainDir(stage.path / f"{size}-{path}").make()
+            log(f"bench: {size} {path}: {steps + warmup} steps")
+            run_trainer(rr, train_dir, model_path, log=log)
+            bench.results.append(summarise(size, path, train_dir, warmup))
+        if served:
+            rr = plans[(size, served[0])]
+            logs = stage.path / size
+            logs.mkdir(exist_ok=True)
+            with VLLMServer(rr, model_path, logs, for_training=True) as srv:
+                log(f"bench: {size} server up in {srv.startup_seconds or 0:.0f}s at {srv.url}")
+                for path in served:
+                    train_dir = TrainDir(stage.path / f"{size}-{path}").make()
+                    log(f"bench: {size} {path}: {steps + warmup} steps")
+                    run_trainer(plans[(size, path)], train_dir, model_path, srv.process.pid if srv.process else None,
+                                srv.url, log=log, restart=srv.restart)
+                    bench.results.append(summarise(size, path, train_dir, warmup))
+                bench.saturation[size] = saturation(rr, srv.url, concurrencies or [1, 2, 4])
+                log(f"bench: {size} server saturated at {bench.saturation[size]['best']:.0f} tokens/s")
+            for r in bench.results:
+                if r.size == size and r.path in served:
+                    r.efficiency = r.training_tokens_per_second / bench.saturation[size]["best"]
+        bench.seconds = round(time.time() - started, 1)
+        bench.save(stage)  # after each size: an interrupted bench keeps what it measured
+    bench.figure(stage.figure)
+    log(bench.markdown())
+    log(f"bench: {bench.seconds / 60:.1f} min; {stage.json}")
+    return bench, run_dir
