@@ -33,10 +33,10 @@ def text_of(outputs: list[dict], mime: str) -> str:
     return "\n".join(out)
 
 
-def test_six_staged_notebooks():
-    from workbench.pipeline import STAGES
+def test_six_staged_notebooks_and_the_tools():
+    from workbench.pipeline import STAGES, TOOLS
 
-    assert [p.stem for p in NOTEBOOKS] == list(STAGES.values())
+    assert [p.stem for p in NOTEBOOKS] == list(STAGES.values()) + list(TOOLS.values())
     # the checkout's notebooks/ is the same files (a link), so `jupyter lab notebooks/` opens what `workbench run` runs
     assert sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb")) == [p.name for p in NOTEBOOKS]
     assert (REPO / "notebooks").resolve() == NOTEBOOK_DIR.resolve()

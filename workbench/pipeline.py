@@ -34,6 +34,10 @@ STAGES = {
     "train": "04_full_grpo",
     "eval": "05_evaluation",
 }
+# notebooks to work in that are not pipeline stages (`workbench run` never runs them)
+TOOLS = {
+    "bench": "06_bench",
+}
 KERNEL = "grpo-workbench"
 # Environment variables worth recording (values of secret-looking names are redacted in the report too).
 RECORDED_PREFIXES = ("CUDA_", "ASCEND_", "HCCL_", "NCCL_", "VLLM_", "OMP_", "PYTORCH_", "TORCH_", "HF_", "WORKBENCH_")

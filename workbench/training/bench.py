@@ -256,9 +256,11 @@ def _recipe(base, size: str, path: str, steps: int, warmup: int, extra: list[str
 
 
 def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None, paths: list[str] | None = None,
-        concurrencies: list[int] | None = None, overrides: list[str] | None = None, log=print) -> tuple[Bench, RunDir]:
+        concurrencies: list[int] | None = None, overrides: list[str] | None = None, run_dir: RunDir | None = None,
+        log=print) -> tuple[Bench, RunDir]:
     """Every size × path, one after the other (never two at once: they would share cores). `recipe` is a loaded
-    Recipe; `overrides` apply to every path (e.g. monitor.canary_every=1)."""
+    Recipe; `overrides` apply to every path last (e.g. monitor.canary_every=1); `run_dir`: write there (a notebook's
+    run) instead of a new `<time>-<recipe>-bench` directory."""
     from workbench.serving.server import VLLMServer
     from workbench.tasks import tinymodel
     from workbench.training.train import run_trainer
@@ -284,7 +286,7 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
 
     for rr in plans.values():
         preflight(rr)
-    run_dir = RunDir.create(recipe, "bench")
+    run_dir = run_dir or RunDir.create(recipe, "bench")
     stage = run_dir.bench.make()
     bench = Bench(recipe=recipe.name, steps=steps, warmup=warmup, machine=machine(first))
     started = time.time()
