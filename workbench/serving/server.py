@@ -134,7 +134,8 @@ class VLLMServer:
             self.model_entry = client.verify(self.rr)
             return self
         if self.recipe.server.mode != "managed":
-            raise WorkbenchError("server.mode is 'off': there is no server to start",
+            raise WorkbenchError(f"server.mode is {self.recipe.server.mode!r}: there is no server to start "
+                                 "(only `workbench train` and `workbench bench` generate without one)",
                                  "set server.mode to managed or attach")
         if not self.model_path:
             raise WorkbenchError("no model path given to the server", "pass the policy's directory")

@@ -100,10 +100,14 @@ class Bench:
 
     def markdown(self) -> str:
         m = self.machine
-        lines = [f"`workbench bench --recipe {self.recipe}`: {self.steps} measured steps after {self.warmup} warm-up "
+        lines = [f"Recipe {self.recipe}: {self.steps} measured steps after {self.warmup} warm-up "
                  f"step(s), medians; {m.get('date', '')}; {m.get('summary', '')}", "",
                  "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         lines += ["| " + " | ".join(row) + " |" for row in self.rows()]
+        sampler = [r.sampler_cpu_percent for r in self.results if r.sampler_cpu_percent is not None]
+        if sampler:
+            lines.append(f"\nThe monitor's sampler used at most {max(sampler):.2f}% of one core (its thread's CPU time "
+                         "over its wall time, per path).")
         for size, sat in self.saturation.items():
             levels = ", ".join(f"{c} in flight {v:.0f}" for c, v in sat.items() if c != "best")
             lines.append(f"\n{size}: server saturated at {sat.get('best', 0):.0f} tokens/s for the training request "
@@ -194,14 +198,14 @@ def summarise(size: str, path: str, train_dir: TrainDir, warmup: int) -> PathRes
     tokens = _median([m.get("rollout/completion_tokens", 0.0) for m in measured])
     generation = [m["rollout/tokens_per_second"] for m in measured if m.get("rollout/tokens_per_second")]
     summary = json.loads(train_dir.summary.read_text()) if train_dir.summary.exists() else {}
-    monitor, seconds = summary.get("monitor") or {}, summary.get("train_seconds") or 0
+    monitor = summary.get("monitor") or {}
     return PathResult(
         size=size, path=path, steps=len(measured), step_seconds=step,
         breakdown={k: _median([m.get(k, 0.0) for m in measured]) for k in BREAKDOWN},
         tokens_per_step=tokens, generation_tokens_per_second=_median(generation) if generation else None,
         training_tokens_per_second=tokens / step if step else 0.0,
         staleness=_median([m.get("rollout/staleness", 0.0) for m in measured]),
-        sampler_cpu_percent=100 * monitor["cpu_seconds"] / seconds if monitor.get("cpu_seconds") and seconds else None,
+        sampler_cpu_percent=100 * monitor["core_share"] if "core_share" in monitor else None,
         train_dir=str(train_dir.path))
 
 

@@ -11,6 +11,10 @@ lets the parent constructor run without vLLM, then builds TRL's backend itself a
 only change is the client class (`workbench.serving.sync.SyncingVLLMClient`). Everything else — when to sync, how
 parameters are gathered, generation, importance-sampling correction — is TRL's. tests/test_trl_hooks.py fails
 when the TRL internals this relies on change.
+
+With `rollout.mode: async` the same trainer asks the server for the next step's batch right after this step's
+push and scores/trains while it is generated (workbench/training/overlap.py): `get_batch_samples` pulls one
+optimizer step ahead, `_generate_single_turn` submits, `_SyncingVLLMGeneration.generate` hands the early batch over.
 """
 from __future__ import annotations
 
