@@ -519,7 +519,12 @@ class SyncingVLLMClient(VLLMClient):
                 self.recovery.handle(self, what, exc)  # re-raises what is not a server fault
 
     def generate(self, *args, **kwargs):
-        return self._recovering("generation", lambda: VLLMClient.generate(self, *args, **kwargs))
+        return self._recovering("generation", lambda: self.generate_once(*args, **kwargs))
+
+    def generate_once(self, *args, **kwargs):
+        """TRL's request without the recovery: for a request on another thread, whose failure is handled on the
+        trainer's main thread (workbench/training/overlap.py)."""
+        return VLLMClient.generate(self, *args, **kwargs)
 
     # vLLM's dev endpoints answer with JSON or, in some releases, an empty 200 (/reset_prefix_cache before 0.26,
     # /collective_rpc when no worker returns anything): both mean success; TRL's own helpers parse every body.

@@ -72,8 +72,6 @@ class Ahead:
         everyone = gather_object(prompts)
         future = None
         if self.main:
-            from trl.generation.vllm_client import VLLMClient
-
             unique = everyone[::num_generations]
             params = self.sampling(num_generations)
             client = self.generation.vllm_client
@@ -82,8 +80,8 @@ class Ahead:
             def run() -> None:
                 started = time.perf_counter()
                 try:
-                    # the plain client call: a failure is retried on the main thread, through the recovery
-                    out = VLLMClient.generate(client, prompts=unique, **params)
+                    # no recovery here: a failure is generated again on the main thread, through the recovery
+                    out = client.generate_once(prompts=unique, **params)
                     request.seconds = time.perf_counter() - started
                     future.set_result((out["prompt_ids"], out["completion_ids"], out["logprobs"],
                                        out.get("logprob_token_ids")))
@@ -133,6 +131,9 @@ class Ahead:
         payload, failure = box
         if failure is not None:
             self.failures.append(failure)
+            if self.main:
+                print(f"async rollout: the early request failed ({failure[:300]}); generating this batch "
+                      "synchronously", flush=True)
             return None
         self.batches.append({"staleness": max(0, self.generation.step() - request.step), "seconds": request.seconds,
                              "waited": request.waited})
