@@ -54,5 +54,5 @@ def test_summary_rows_name_the_step_time_phases(tmp_path):
     data.refresh()
     rows = dict(summary_rows(data))
     assert rows["steps"] == "150 / 200"
-    assert float(rows["step time (s)"]) > float(rows["  optimisation"]) > float(rows["  generation"])
+    assert float(rows["step time (s)"]) > float(rows["  optimisation"]) > float(rows["  waiting for rollouts"])
     assert "→" in rows["reward (first → last fifth)"]

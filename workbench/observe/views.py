@@ -29,6 +29,8 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
         first, last = rows[: max(1, len(rows) // 5)], rows[-max(1, len(rows) // 5):]
 
         def avg(part, key):
+            if key == "time/rollout_wait":  # runs from before the wait was split from the generation
+                part = [{key: figures.phase(r, key)} for r in part if "time/step" in r]
             values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
             return sum(values) / len(values) if values else None
 
