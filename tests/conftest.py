@@ -35,11 +35,15 @@ def tiny_model_dir(cpu_recipe) -> Path:
     return tinymodel.ensure(cpu_recipe, log=lambda *_: None)
 
 
-@pytest.fixture
-def workbench_cmd() -> list[str]:
+def workbench_command() -> list[str]:
     """The installed console script when there is one, else `python -m workbench`."""
     script = VENV_BIN / "workbench"
     return [str(script)] if script.exists() else [sys.executable, "-m", "workbench"]
+
+
+@pytest.fixture
+def workbench_cmd() -> list[str]:
+    return workbench_command()
 
 
 @pytest.fixture
@@ -94,8 +98,7 @@ def smoke_run(tmp_path_factory, tiny_model_dir):
 
     runs = tmp_path_factory.mktemp("smoke-runs")
     port = free_port()
-    script = VENV_BIN / "workbench"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "workbench"]
+    cmd = workbench_command()
     # report_to: the user's tracker runs alongside the workbench's own metrics.jsonl
     out = subprocess.run([*cmd, "train", "--recipe", "smoke", f"server.port={port}", f"monitor.runs_dir={runs}",
                           "trainer.report_to=tensorboard"],

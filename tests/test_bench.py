@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import VENV_BIN, free_port
+from conftest import free_port, workbench_command
 from workbench.observe.records import read_jsonl
 from workbench.rundir import RunDir, TrainDir
 from workbench.training import bench
@@ -20,10 +20,7 @@ PATHS = ["in-process", "colocate", "server", "async"]
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory, tiny_model_dir):
-    import sys
-
-    script = VENV_BIN / "workbench"
-    workbench_cmd = [str(script)] if script.exists() else [sys.executable, "-m", "workbench"]
+    workbench_cmd = workbench_command()
     runs = tmp_path_factory.mktemp("bench-runs")
     log = runs / "bench.log"
     cmd = [*workbench_cmd, "bench", "--recipe", "cpu-tiny", "--sizes", "tiny", "--steps", "2", "--warmup", "1",

