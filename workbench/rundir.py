@@ -16,7 +16,7 @@ One layout for every run, whether `workbench run` executed all stages or `workbe
         train/   metrics.jsonl  devices.jsonl  rollout.jsonl  train.json  train.log  server_metrics.prom
                  vllm-server-<port>.log  checkpoints/ (TRL's, with completions/)  final/  STOP
                  accelerate.yaml (several ranks)  ranks.json (each rank's process, device and environment)
-        eval/    samples.jsonl  summary.json  comparison.md  comparison.png  vllm-server-<port>.log
+        eval/    samples.jsonl  summary.json  comparison.md  comparison.png  vllm-server-<port>-<model>.log
         bench/   bench.json  bench.md  bench.png  <size>-<path>/ (a training directory per rollout path)
 
 Each stage's result type saves and loads itself through these paths (offline, serving sweep, smoke checks,
@@ -205,6 +205,8 @@ class RunDir:
 
 
 
-def server_log(directory: Path | str, port: int) -> Path:
-    """Where a managed server started for a stage writes its output."""
-    return Path(directory) / f"vllm-server-{port}.log"
+def server_log(directory: Path | str, port: int, name: str | None = None) -> Path:
+    """Where a managed server started for a stage writes its output; `name` tells apart the servers of one stage
+    (the evaluation serves each model in turn: vllm-server-<port>-<model>.log)."""
+    suffix = f"-{name}" if name else ""
+    return Path(directory) / f"vllm-server-{port}{suffix}.log"

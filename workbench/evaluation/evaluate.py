@@ -11,7 +11,8 @@
 For each model: serve it (or attach), check before any request that the served name is right and that the longest
 prompt plus eval.max_tokens fits the server's max_model_len, send the eval split with bounded concurrency from an
 async OpenAI client (chat or completions endpoint; temperature, top_p, seed, max tokens and stop strings from the
-recipe's eval section; transient errors retried a bounded number of times), score, and repeat eval.repeats times.
+recipe's eval section; transient errors retried a bounded number of times), score, and repeat eval.repeats times. With several models, the next model's server starts on the trainer's devices
+(idle during evaluation) while the current one is scored.
 Per-sample records go to samples.jsonl, per-model summaries (accuracy mean ± std over repetitions, pass@1, mean
 output length, truncation rate, throughput) to summary.json, a comparison table to comparison.md and a figure to
 comparison.png. The equivalent lm-evaluation-harness command is printed for a cross-check.
@@ -19,6 +20,7 @@ comparison.png. The equivalent lm-evaluation-harness command is printed for a cr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import threading
@@ -325,7 +327,6 @@ def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir
              quiet: bool = False, log=print) -> Evaluation:
     """Evaluate each labelled model directory (serving it in turn), or the attached server; save the result into
     `stage` (a run's eval directory) when given."""
-    from workbench.serving.server import VLLMServer
     from workbench.tasks.tinymodel import ensure_model
 
     recipe = rr.recipe
@@ -346,19 +347,92 @@ def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir
         if missing:  # before the first server starts, not after the first model was scored
             raise WorkbenchError(f"no model directory at {', '.join(missing)} (no config.json)",
                                  "pass --model LABEL=DIR with a Hugging Face model directory, e.g. RUN/train/final")
-        for label, path in models.items():
-            path = ensure_model(rr, log=log) if path in ("tiny", "base") else path
-            with VLLMServer(rr, path, log_dir, quiet=quiet) as srv:
+        items = [(label, ensure_model(rr, log=log) if path in ("tiny", "base") else path)
+                 for label, path in models.items()]
+        lanes = _lanes(rr, len(items))
+        if len(lanes) > 1:
+            log(f"{len(items)} models: the next model's server starts on the trainer's devices "
+                f"({', '.join(map(str, lanes[1].server.devices))}, port {lanes[1].recipe.server.port}) while the "
+                "current one starts or is scored")
+        # closing(): an exception in the loop (kept alive by a notebook's traceback) must still stop the servers
+        with contextlib.closing(_servers(items, lanes, log_dir, quiet)) as servers:
+            for label, path, srv in servers:
                 info = preflight(rr, rows, srv.url)
                 log(f"{label}: serving {path} ({info['longest_prompt_tokens']} + {recipe.eval.max_tokens} tokens "
                     f"fit max_model_len {info['max_model_len']})")
                 summary, got = evaluate_server(rr, label, rows, srv.url, quiet=quiet, model_path=str(path))
                 result.summaries.append(summary)
                 result.samples += got
-                if label == list(models)[0]:
+                if label == items[0][0]:
                     log("cross-check with the standard harness while a server runs:\n  " + lm_eval_command(rr, srv.url))
     log(comparison_table(result.summaries))
     if stage is not None:
         result.save(stage)
         log(f"samples: {stage.samples}\nfigure: {stage.figure}")
     return result
+
+
+def _lanes(rr: Resolved, models: int) -> list[Resolved]:
+    """Where the evaluation's servers run: on the server's devices, and, with two or more models on one node, also
+    on the trainer's (idle while evaluating) under the next port, so that the next model's server starts while the
+    current one is scored (a server start is 20-60 s of imports and engine set-up). One lane where the trainer's
+    devices are fewer than the server's, shared with it, or on another node, or where the next port is taken."""
+    from workbench.recipe import load
+    from workbench.serving import launch
+
+    r = rr.recipe
+    server, trainer = list(r.devices.server), list(r.devices.trainer)
+    if models < 2 or r.distributed.nodes > 1 or len(trainer) < len(server) or set(trainer) & set(server):
+        return [rr]
+    port = r.server.port + 1
+    try:
+        launch.check_port_free(r.server.host, port)
+    except WorkbenchError:
+        return [rr]
+    other = load(r, {"server.port": port, "devices.server": trainer[:len(server)], "devices.trainer": server})
+    return [rr, rr.with_recipe(other)]
+
+
+def _servers(items: list[tuple[str, str]], lanes: list[Resolved], log_dir: Path | None, quiet: bool):
+    """Yield (label, path, started server) for each model in turn; with two lanes, the next model's server is
+    started in the background on the other lane while the caller scores the current one. Every server is stopped,
+    also when the caller stops early or raises."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workbench.serving.server import VLLMServer
+
+    def server(i: int):
+        label, path = items[i]
+        # a server started in the background stays quiet: its waiting line would land in whatever cell prints
+        return VLLMServer(lanes[i % len(lanes)], path, log_dir, quiet=quiet or i > 0, name=label)
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-server")
+    ahead = None  # (server, future of its start)
+    try:
+        for i, (label, path) in enumerate(items):
+            srv, started = ahead if ahead is not None else (server(i), None)
+            ahead = None
+            if len(lanes) > 1 and i + 1 < len(items):  # the lane of model i - 1, whose server has stopped
+                nxt = server(i + 1)
+                ahead = (nxt, pool.submit(nxt.start))
+            try:
+                if started is not None:
+                    started.result()  # a start-up failure is raised here, as if it had started now
+                else:
+                    srv.start()
+            except BaseException:
+                srv.stop()
+                raise
+            try:
+                yield label, path, srv
+            finally:
+                srv.stop()
+    finally:
+        if ahead is not None:  # stopped early: let the start finish (it cannot be interrupted safely), then stop
+            srv, started = ahead
+            try:
+                started.result()
+            except BaseException:
+                pass
+            srv.stop()
+        pool.shutdown(wait=True)

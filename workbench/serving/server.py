@@ -113,8 +113,9 @@ class VLLMServer:
     """A vLLM server for one recipe: started (or attached to), verified, and always stopped."""
 
     def __init__(self, rr: Resolved, model_path: str | None = None, log_dir: str | Path | None = None,
-                 quiet: bool = False, for_training: bool = False):
+                 quiet: bool = False, for_training: bool = False, name: str | None = None):
         self.rr = rr
+        self.name = name  # in the log's file name, when a stage starts several servers
         self.for_training = for_training  # a trainer uses it: weight-update endpoints on (launch.environment)
         self.recipe = rr.recipe
         self.model_path = model_path
@@ -149,7 +150,7 @@ class VLLMServer:
                 launch.check_cpu_cores(self.rr)
         log_dir = self.log_dir or Path(self.recipe.monitor.runs_dir) / "servers"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = server_log(log_dir, s.port)
+        self.log_path = server_log(log_dir, s.port, self.name)
         cmd = launch.command(self.rr, self.model_path)
         cores = list(self.rr.server.devices) if self.rr.platform == "cpu" else None
         with open(self.log_path, "w") as log:
