@@ -1,4 +1,4 @@
-# make demo: the CPU demo end to end.  make test: the test suite.  Both set up .venv on a fresh machine and are
+# make demo: the CPU demo end to end.  make test: the test suite.  make lab: JupyterLab for the notebooks.  Both set up .venv on a fresh machine and are
 # quick when it is already there (the stamp tracks pyproject.toml).
 VENV    ?= .venv
 PYTHON  ?= python3
@@ -6,7 +6,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.workbench-installed
 KERNEL  := grpo-workbench
 
-.PHONY: demo test install clean-venv
+.PHONY: demo test lab install clean-venv
 
 install: $(STAMP)
 
@@ -30,6 +30,10 @@ $(STAMP): pyproject.toml | $(PY)
 # the demo trains with async rollouts: the same learning as cpu-tiny in about 0.6x the training time (README)
 demo: $(STAMP)
 	$(VENV)/bin/workbench run --recipe cpu-tiny-async
+
+# JupyterLab on loopback (127.0.0.1:8888) with the project's kernel: open notebooks/ and work through the stages
+lab: $(STAMP)
+	$(VENV)/bin/workbench lab
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -49,6 +49,10 @@ CASES: list[tuple[list[str], str]] = [
     (TRAIN + ["data.path={tmp}/rows.jsonl"], "'arithmetic' is generated and reads no file"),
     (TRAIN + ["rewards.brevity=1.0"], "unknown reward 'brevity'"),
     (TRAIN + ["rewards={}"], "rewards is empty"),
+    (TRAIN + ["rewards.no_such_module:brevity=0.1"], "cannot import module 'no_such_module'"),
+    (TRAIN + ["rewards.my_rewards:two_args=0.1"], "does not have TRL's reward signature"),
+    (TRAIN + ["rewards.my_rewards:words=0.1"], "returned 'short' (str) as a score"),
+    (TRAIN + ["rewards.cap={function: my_rewards:capped, args: {limt: 4}}"], "rewards.cap.args has ['limt']"),
     (TRAIN + ["model.path={tmp}/no-model"], "does not exist"),
     (TRAIN + ["model.tiny.num_heads=3"], "hidden_size=256 is not divisible by num_heads=3"),
     (TRAIN + ["monitor.canary_every=-1"], "monitor.canary_every is -1"),
@@ -62,6 +66,10 @@ CASES: list[tuple[list[str], str]] = [
     (["eval", "--sweep", "1,x"], "--sweep '1,x' is not a list of positive whole numbers"),
     (["eval", "--model", "trained={tmp}/no-model"], "no model directory at trained="),
     (["run", "--stages", "env,deploy"], "unknown stage(s) ['deploy']"),
+    (["compare", "{tmp}/no-run"], "no run directory"),
+    (["compare", "{tmp}/model-dir"], "is not a run directory"),
+    (["compare", "{tmp}/model-dir", "--metrics", ","], "--metrics ',' names no metric"),
+    (["tag", "{tmp}/no-run", "lr-high"], "no run directory"),
 ]
 
 
@@ -72,6 +80,11 @@ def write_files(tmp: Path) -> None:
     (tmp / "broken.yaml").write_text("trainer:\n  max_steps: [1,\n")
     (tmp / "rows.csv").write_text("question,answer\n1+1,2\n")
     (tmp / "rows.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    # reward functions of a user's project (the cases run with this directory as their working directory)
+    (tmp / "my_rewards.py").write_text(
+        "def two_args(prompts, completions):\n    return [0.0] * len(completions)\n\n"
+        "def words(prompts, completions, **kwargs):\n    return ['short' for _ in completions]\n\n"
+        "def capped(prompts, completions, limit=10, **kwargs):\n    return [0.0] * len(completions)\n")
     (tmp / "model-dir").mkdir(exist_ok=True)
     (tmp / "model-dir" / "config.json").write_text("{}")
 

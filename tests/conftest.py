@@ -106,3 +106,37 @@ def smoke_run(tmp_path_factory, tiny_model_dir):
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir,) = [p for p in runs.iterdir() if p.name.endswith("-smoke-train")]
     return RunDir(run_dir), port
+
+
+GROUP_SIZE = 4
+# the user's reward module: a reward trained with, and a deliberately hackable one for the reward lab
+LAB_REWARDS = """
+def brevity(prompts, completions, limit=10, **kwargs):
+    return [max(0.0, 1.0 - len(c[-1]["content"]) / limit) for c in completions]
+
+def wordy(prompts, completions, per_char=0.01, **kwargs):
+    return [per_char * len(c[-1]["content"]) for c in completions]
+"""
+
+
+@pytest.fixture(scope="session")
+def grouped_run(tmp_path_factory):
+    """`workbench train --recipe smoke` for real with 2 groups of 4 a step, the group record on, and a reward from
+    a file in the user's project (outside the package, the working directory), named module:function with an
+    argument (tests/test_groups.py, tests/test_rewardlab.py)."""
+    import subprocess
+
+    from workbench.rundir import RunDir
+
+    project = tmp_path_factory.mktemp("project")  # the user's project: its own rewards module, the working dir
+    (project / "lab_rewards.py").write_text(LAB_REWARDS)
+    runs = project / "runs"
+    cmd = workbench_command() + [
+        "train", "--recipe", "smoke", f"server.port={free_port()}", f"monitor.runs_dir={runs}",
+        "trainer.per_device_train_batch_size=8", f"trainer.num_generations={GROUP_SIZE}", "trainer.max_steps=3",
+        "rewards.short={function: lab_rewards:brevity, weight: 0.1, args: {limit: 60}}",
+        "monitor.groups_per_step=8", "monitor.canary_every=0"]
+    out = subprocess.run(cmd, cwd=project, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (path,) = runs.glob("*-train")
+    return RunDir.open(path)

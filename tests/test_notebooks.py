@@ -156,3 +156,28 @@ def test_serving_notebook_attached_to_a_running_server(tmp_path, tiny_server):
     assert (tmp_path / "run" / "serving" / "serving.png").stat().st_size > 0
     assert set(sweep["by_concurrency"]) == {"1", "8"} and sweep["n"] == 16
     assert sweep["by_concurrency"]["8"]["requests_per_second"] > sweep["by_concurrency"]["1"]["requests_per_second"]
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("-p", "trainer.max_steps=7 eval.max_tokens=32"),     # the README's form: one space-separated string
+    ("-p", '["trainer.max_steps=7", "eval.max_tokens=32"]'),  # a list, typed as text (-p passes a string)
+    ("-y", "overrides: [trainer.max_steps=7, eval.max_tokens=32]"),  # a real list, as YAML
+], ids=["p-words", "p-list-text", "y-list"])
+def test_papermill_cli_takes_overrides_the_obvious_ways(tmp_path, flag, value):
+    """Exactly as a user types it: the papermill command line, on the cheapest notebook; the run's recipe.yaml
+    shows both overrides arrived."""
+    import subprocess
+
+    import yaml
+
+    from conftest import VENV_BIN
+
+    papermill = VENV_BIN / "papermill"
+    run = tmp_path / "run"
+    args = [flag, "overrides", value] if flag == "-p" else [flag, value]
+    done = subprocess.run([str(papermill), str(NOTEBOOK_DIR / "00_env_check.ipynb"), str(tmp_path / "out.ipynb"),
+                           "-k", kernel(), *args, "-p", "run_dir", str(run)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = yaml.safe_load((run / "recipe.yaml").read_text())
+    assert saved["trainer"]["max_steps"] == 7 and saved["eval"]["max_tokens"] == 32

@@ -262,6 +262,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from workbench.observe import compare
+
+    compare.metric_keys(args.metrics)  # a bad --metrics is refused before any run is read
+    runs = compare.load_runs(args.runs)
+    out = Path(args.out) if args.out else compare.default_out(runs)
+    saved = compare.save(runs, out, args.metrics)
+    for run in runs.runs:
+        note = f" ({run.tag['note']})" if run.tag.get("note") else ""
+        print(f"{run.label}: {run.path}{note}")
+    if len(runs) > 1 and compare.differing_keys(runs).empty:
+        print("the recipes are the same apart from " + ", ".join(compare.IGNORED_KEYS))
+    print()
+    print(compare.markdown_table(compare.side_by_side(runs, readable=True), "key / outcome"))
+    print(f"saved: {saved['table']}, {saved['figure'].name}, {saved['json'].name}")
+    return 0
+
+
+def cmd_tag(args: argparse.Namespace) -> int:
+    from workbench.observe import compare
+
+    path = compare.write_tag(args.run_dir, args.name, args.note)
+    print(f"tagged {args.run_dir} as {compare.read_tag(args.run_dir)['name']!r}: {path}")
+    return 0
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    import os
+
+    from workbench.notebook import lab_command
+
+    extra = [a for a in args.extra if a != "--"]
+    cmd = lab_command(args.port, args.root, open_browser=not args.no_browser, extra=extra)
+    print(f"JupyterLab on http://127.0.0.1:{args.port}/ (loopback only); the notebooks are in notebooks/", flush=True)
+    os.execv(cmd[0], cmd)  # Lab in this process: Ctrl-C and a kill reach it, and its kernels, directly
+    return 0
+
+
 def _todo(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         raise WorkbenchError(f"`workbench {name}` is not built yet",
@@ -337,6 +375,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paths", help="comma-separated: in-process,colocate,server,async (default: all)")
     p.add_argument("--concurrency", default="1,2,4", metavar="C1,C2,...",
                    help="training requests in flight for the server's saturated throughput (default: 1,2,4)")
+    p = add("compare", "runs side by side: recipe keys that differ, outcomes, overlaid curves",
+            "workbench.observe.compare", cmd_compare, recipe=False)
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (runs/<id>) or training directories")
+    p.add_argument("--out", metavar="DIR", help="where compare.md, compare.png and compare.json go (default: a new "
+                                                "<stamp>-compare/ beside the first run)")
+    p.add_argument("--metrics", metavar="M1,M2,...",
+                   help="curves to overlay: reward, kl, loss, entropy, length, clipped, reward_std, lr, step_time, "
+                        "tokens_per_second or any metrics.jsonl key (default: reward,kl,loss,entropy,length,step_time)")
+    p = add("tag", "name a run (and note why) for comparisons", "workbench.observe.compare", cmd_tag, run_dir=True)
+    p.add_argument("name", help="a short name, e.g. lr-high: comparisons label the run with it")
+    p.add_argument("--note", help="a sentence kept with the tag and shown in comparisons")
+    p = sub.add_parser("lab", help="JupyterLab on loopback for the notebooks, with the project's kernel (make lab)",
+                       description=_doc("workbench.notebook"))
+    p.add_argument("--port", type=int, default=8888, help="loopback port (default: 8888)")
+    p.add_argument("--root", default=".", help="the directory Lab opens (default: here; the notebooks are in notebooks/)")
+    p.add_argument("--no-browser", action="store_true", help="do not open a browser (print the URL only)")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more jupyter lab options")
+    p.set_defaults(func=cmd_lab)
     for name, short in TODO.items():
         p = sub.add_parser(name, help=short, description=short)
         _recipe_args(p)

@@ -1,10 +1,12 @@
-"""The staged notebooks' one setup call: recipe loaded and resolved, run directory opened or created.
+"""The notebooks' one setup call (recipe loaded and resolved, run directory opened or created), and JupyterLab for them.
 
     rr, run = notebook.setup(recipe, overrides, run_dir, kind="train")
+    workbench lab            # (make lab) JupyterLab on 127.0.0.1:8888, new notebooks on the project's kernel
 
 An entry point like the CLI: papermill hands each notebook the run's recipe.yaml and the run directory
 (`workbench run`); a notebook opened by hand gets a recipe name and an empty run_dir, and a new run directory is made.
-Overrides may be a list of `section.key=value` words or one space-separated string (what `papermill -p` passes).
+Overrides may be a list of `section.key=value` words, one space-separated string (what `papermill -p` passes), or
+that list written as text (`-p overrides '["server.port=8011"]'`: papermill -p hands the notebook a string).
 """
 from __future__ import annotations
 
@@ -20,7 +22,17 @@ def overrides_list(overrides) -> list[str]:
     if overrides is None:
         return []
     if isinstance(overrides, str):
-        return shlex.split(overrides)
+        text = overrides.strip()
+        if text.startswith("["):  # a list typed as text: JSON or YAML flow style
+            import yaml
+
+            try:
+                listed = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise WorkbenchError(f"overrides {text[:80]!r} looks like a list but does not parse ({exc.problem})",
+                                     "write it as '[\"section.key=value\", ...]', or as space-separated words") from None
+            return overrides_list(listed)
+        return shlex.split(text)
     if isinstance(overrides, (list, tuple)):
         return [str(o) for o in overrides]
     raise WorkbenchError(f"overrides is a {type(overrides).__name__}",
@@ -35,3 +47,19 @@ def setup(recipe: str, overrides=None, run_dir: str = "", kind: str = "run",
         r = recipes.load(r, extra)
     run = RunDir.at(run_dir, r) if run_dir else RunDir.create(r, kind)
     return recipes.resolve(r), run
+
+
+def lab_command(port: int = 8888, root: str = ".", open_browser: bool = True, extra: list[str] | None = None) -> list[str]:
+    """JupyterLab for the notebooks (`make lab`, `workbench lab`): on loopback only (a notebook server runs code:
+    never on a network address by accident), opening notebooks/, new notebooks on the project's kernel."""
+    import sys
+
+    from workbench.pipeline import kernel_name
+
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+           "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}",
+           f"--MappingKernelManager.default_kernel_name={kernel_name()}",
+           "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    if not open_browser:
+        cmd.append("--no-browser")
+    return cmd + list(extra or [])

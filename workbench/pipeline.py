@@ -14,6 +14,7 @@ stage log keeps the kernel's last output.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform as platform_module
@@ -37,6 +38,8 @@ STAGES = {
 # notebooks to work in that are not pipeline stages (`workbench run` never runs them)
 TOOLS = {
     "bench": "06_bench",
+    "compare": "07_compare",
+    "reward-lab": "08_reward_lab",
 }
 KERNEL = "grpo-workbench"
 # Environment variables worth recording (values of secret-looking names are redacted in the report too).
@@ -111,6 +114,77 @@ class _StderrTo:
         sys.stderr.flush()
         os.dup2(self.saved, 2)
         os.close(self.saved)
+
+
+SHARED_STAGES = ("serving", "smoke", "train")
+
+
+class _SharedServer:
+    """One vLLM server for a run's serving, smoke and training stages instead of one per stage (each start is 20-60 s
+    of imports and engine set-up). The stages adopt it (workbench/serving/server.py: WORKBENCH_SHARED_SERVER, which
+    their kernels and the training's process inherit); a stage that needs a restart asks this process, which
+    answers while the stage runs. Started before the first of those stages (the model exists by then), stopped
+    after the last, before the evaluation serves its own models; without it (a failed start) every stage starts
+    its own server as before."""
+
+    def __init__(self, rr: Resolved, run: RunDir, stages: list[str], log):
+        self.rr, self.run, self.log = rr, run, log
+        self.stages = [s for s in stages if s in SHARED_STAGES]
+        self.wanted = rr.recipe.server.mode == "managed" and len(self.stages) >= 2
+        self.server = None
+        self.record: dict = {}
+
+    def open(self) -> None:
+        if not self.wanted or self.server is not None:
+            return
+        from workbench.serving.server import SHARED_ENV, VLLMServer
+        from workbench.tasks.tinymodel import ensure_model
+
+        self.wanted = False  # one attempt
+        try:
+            srv = VLLMServer(self.rr, ensure_model(self.rr, log=self.log), self.run.server.make().path,
+                             quiet=True, for_training=True).start()
+        except Exception as exc:  # each stage then starts its own and reports the failure in its notebook
+            self.log(f"   (no shared server: {str(exc).splitlines()[0][:200]}; each stage starts its own)")
+            return
+        self.server = srv
+        os.environ[SHARED_ENV] = json.dumps(srv.share(self.run.server.path))
+        self.record = {"url": srv.url, "startup_seconds": round(srv.startup_seconds or 0, 1), "stages": self.stages,
+                       "log": str(srv.log_path.relative_to(self.run.path))}
+        self.log(f"shared vLLM server for {', '.join(self.stages)}: {srv.url}, up in {srv.startup_seconds:.0f}s "
+                 f"(log: {srv.log_path})")
+
+    @contextlib.contextmanager
+    def answering(self):
+        """While a stage runs: answer its restart requests (a thread, every half second); a restarted server has a
+        new process, which the next stage's processes learn from the environment."""
+        import threading
+
+        from workbench.serving.server import SHARED_ENV, serve_shared_requests
+
+        done = threading.Event()
+
+        def loop() -> None:
+            while not done.wait(0.5):
+                if self.server is not None and serve_shared_requests(self.server, self.run.server.path):
+                    self.record["restarts"] = self.record.get("restarts", 0) + 1
+                    os.environ[SHARED_ENV] = json.dumps(self.server.share(self.run.server.path))
+
+        thread = threading.Thread(target=loop, name="shared-server", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join(timeout=5)
+
+    def close(self) -> None:
+        from workbench.serving.server import SHARED_ENV
+
+        os.environ.pop(SHARED_ENV, None)
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
 
 
 class _Heartbeat:
@@ -197,6 +271,7 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir
     run.logs.mkdir(exist_ok=True)
     write_atomic(run.environment, json.dumps(environment_summary(), indent=2))
     log(f"run directory: {run.path}  (kernel {kernel}; stages {', '.join(stages)})")
+    shared = _SharedServer(rr, run, stages, log)
     try:
         for stage in stages:
             name = STAGES[stage]
@@ -210,7 +285,11 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir
             failure: BaseException | None = None
             try:
                 params = stage_parameters(stage, run, resuming=resume is not None)
-                with open(stage_log, "a") as out, _StderrTo(out), _Heartbeat(stage, run, log):
+                if stage in shared.stages:
+                    shared.open()
+                    if shared.record:
+                        record["shared_server"] = shared.record
+                with open(stage_log, "a") as out, _StderrTo(out), _Heartbeat(stage, run, log), shared.answering():
                     papermill.execute_notebook(
                         str(notebooks / f"{name}.ipynb"), str(executed), kernel_name=kernel,
                         parameters=params,
@@ -231,6 +310,8 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir
                     except Exception as exc:  # an export problem must not hide the stage's own result
                         log(f"   (HTML export failed: {exc})")
             log(f"   {stage}: {result['status']} in {result['seconds']:.0f}s")
+            if shared.stages and stage == shared.stages[-1]:
+                shared.close()  # before the evaluation serves its models on the same port
             if result["status"] == "failed":
                 write_atomic(run.record, json.dumps(record, indent=2))
                 report_path = report.build(run)
@@ -239,6 +320,7 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir
                     f"read the traceback in {executed} (HTML: {executed.with_suffix('.html')}) and the log "
                     f"{stage_log}; the report so far is {report_path}") from failure
     finally:
+        shared.close()
         record["seconds"] = round(time.time() - record["started"], 1)
         write_atomic(run.record, json.dumps(record, indent=2))
     report_path = report.build(run)

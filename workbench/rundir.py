@@ -8,16 +8,21 @@ One layout for every run, whether `workbench run` executed all stages or `workbe
 
     runs/<stamp>-<name>-<kind>/
         recipe.yaml  environment.json  run.json  report.html  report.png
+        tag.json (`workbench tag`: the run's name and note in comparisons, workbench/observe/compare.py)
         notebooks/NN_*.ipynb + .html      logs/NN_*.log
         env.json
+        server/  vllm-server-<port>.log (the server shared by serving, smoke and train)  restart.request/.answer
         offline/offline.json
         serving/serving.json  serving.png  vllm-server-<port>.log
         smoke/   (a training directory, below) + smoke_checks.json + recipe.yaml (the smoke variant)
         train/   metrics.jsonl  devices.jsonl  rollout.jsonl  train.json  train.log  server_metrics.prom
                  vllm-server-<port>.log  checkpoints/ (TRL's, with completions/)  final/  STOP
+                 groups/step_NNNNNN.parquet (each step's GRPO groups: completions, rewards, advantages)
                  accelerate.yaml (several ranks)  ranks.json (each rank's process, device and environment)
         eval/    samples.jsonl  summary.json  comparison.md  comparison.png  vllm-server-<port>-<model>.log
+                 analysis.json (base vs trained per problem: fixed, broken, breakdowns by category and length)
         bench/   bench.json  bench.md  bench.png  <size>-<path>/ (a training directory per rollout path)
+        lab/     lab.json  lab.md  lab.png (the reward lab: candidate rewards scored, warnings; tasks/rewardlab.py)
 
 Each stage's result type saves and loads itself through these paths (offline, serving sweep, smoke checks,
 training summary, evaluation); readers (report, advisor, dashboard, analysis) go through the same object.
@@ -89,6 +94,8 @@ class TrainDir:
     summary = property(lambda self: self.path / "train.json")
     log = property(lambda self: self.path / "train.log")
     server_metrics = property(lambda self: self.path / "server_metrics.prom")
+    # the server's counters when this training began: a shared server (workbench run) has served other stages before
+    server_metrics_start = property(lambda self: self.path / "server_metrics.start.prom")
     checkpoints = property(lambda self: self.path / "checkpoints")
     completions = property(lambda self: self.path / "checkpoints" / "completions")
     final = property(lambda self: self.path / "final")
@@ -98,6 +105,7 @@ class TrainDir:
     ranks = property(lambda self: self.path / "ranks.json")
     events = property(lambda self: self.path / "events.jsonl")  # restarts, resumes, canary alarms, failures
     canary = property(lambda self: self.path / "canary.jsonl")  # the weight-parity probe, one line per check
+    groups = property(lambda self: self.path / "groups")  # step_NNNNNN.parquet: every GRPO group (training/groups.py)
     restart_request = property(lambda self: self.path / "server-restart.request")  # a rank asks for a new server
     restart_answer = property(lambda self: self.path / "server-restart.answer")
 
@@ -143,14 +151,19 @@ class RunDir:
         self.record = self.path / "run.json"
         self.report = self.path / "report.html"
         self.screenshot = self.path / "report.png"
+        self.tag = self.path / "tag.json"  # `workbench tag`: {"name", "note", "tagged"}
         self.env_check = self.path / "env.json"
         self.notebooks = self.path / "notebooks"
         self.logs = self.path / "logs"
         self.offline = StageDir(self.path / "offline", json="offline.json")
         self.serving = StageDir(self.path / "serving", json="serving.json", figure="serving.png")
         self.eval = StageDir(self.path / "eval", samples="samples.jsonl", summary="summary.json",
-                             table="comparison.md", figure="comparison.png")
+                             table="comparison.md", figure="comparison.png", analysis="analysis.json")
         self.bench = StageDir(self.path / "bench", json="bench.json", table="bench.md", figure="bench.png")
+        self.lab = StageDir(self.path / "lab", json="lab.json", table="lab.md", figure="lab.png")
+        # the vLLM server `workbench run` shares between its serving, smoke and training stages, and its restart
+        # requests (workbench/pipeline.py _SharedServer)
+        self.server = StageDir(self.path / "server")
         self.smoke = TrainDir(self.path / "smoke")
         self.train = TrainDir(self.path / "train")
 

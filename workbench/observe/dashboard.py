@@ -2,18 +2,21 @@
 
     proc = launch.start_training(run)                 # `workbench train` in a subprocess (workbench.training.launch)
     dash = dashboard.Dashboard(run.train, process=proc)
-    dash.follow()                                      # blocks until the run ends; the Stop button works meanwhile
+    data = await dash.run()                           # in a notebook cell: until the run ends; Stop works meanwhile
+    dash.follow()                                     # the same, blocking (a script: no widget events)
 
 The training runs in its own process and the dashboard only tails the run directory (metrics.jsonl,
 devices.jsonl, rollout.jsonl, the completions TRL logs), so the kernel stays responsive and a multi-process run
-(`accelerate launch`) is followed the same way. While the cell runs, widget events are processed between refreshes
-(jupyter-ui-poll), which is what lets the Stop button act: it writes run_dir/STOP, and the trainer checkpoints and
-ends after its current step. When the run ends, a static figure, the summary table and the advisor's findings are
-left in the cell output as plain PNG and HTML, so papermill's executed notebook and its HTML export show them.
+(`accelerate launch`) is followed the same way. The notebook awaits `run()`: while an async cell awaits, ipykernel
+(7.4+, pinned) dispatches the widgets' comm messages, so the Stop button acts while the run trains — it writes
+run_dir/STOP, and the trainer checkpoints and ends after its current step. (A blocking loop never lets the kernel read
+the click; jupyter-ui-poll's way around that called a kernel method ipykernel 7.1 removed.) Until the first step is
+logged the status shows the start-up (server, model) with the training log's latest line. When the run ends, the
+live widget is replaced by a line saying so, and a static figure, the summary table and the advisor's findings
+stay in the cell output as plain PNG and HTML, so papermill's executed notebook and its HTML export show them.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import time
@@ -33,6 +36,8 @@ class Dashboard:
         self.refresh_s = refresh_s
         self.completions_shown = completions_shown
         self._widgets = None
+        self._handle = None
+        self._started = time.time()
         self._drawn_rows = -1
         self._drawn_at = 0.0
 
@@ -65,6 +70,8 @@ class Dashboard:
             self.progress.max = prog["max_steps"]
         self.progress.value = min(prog["step"], self.progress.max)
         state = "finished" if prog["finished"] else ("stopping" if self.data.stop_requested else "training")
+        if not self.data.metrics and not prog["finished"]:  # the server and the model are still loading
+            state = f"starting ({fmt_seconds(time.time() - self._started)}): {self._log_line()}"
         if self.process is not None and self.process.poll() not in (None, 0):
             state = f"exited with {self.process.returncode} (see train.log)"
         canary = self.data.canary[-1] if self.data.canary else None
@@ -91,30 +98,67 @@ class Dashboard:
             return self.process.poll() is None
         return not self.data.finished
 
-    def follow(self, timeout_s: float | None = None) -> RunData:
-        """Show the widgets, refresh until the run ends (or timeout_s), then leave the static summary."""
+    def _log_line(self) -> str:
+        """The training log's latest line (what start-up is doing), escaped for the status line."""
+        import html
+
+        try:
+            with open(self.data.dir.log, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.data.dir.log) - 2000))
+                lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            lines = []
+        return html.escape(lines[-1][:120]) if lines else "launching the training process"
+
+    def _open(self) -> None:
         from IPython.display import display
 
-        display(self._build())
-        started = time.time()
+        self._started = time.time()
+        self._handle = display(self._build(), display_id=True)
         try:
             os.nice(10)  # a viewer: on a machine the run fills (2 CPU cores), the trainer and server come first
         except OSError:
             pass
-        try:
-            from jupyter_ui_poll import ui_events
-            poller = ui_events()
-        except Exception:  # outside a kernel (or without the package): refresh without processing clicks
-            poller = None
-        with (poller if poller is not None else contextlib.nullcontext()) as poll:
-            while self._running() and (timeout_s is None or time.time() - started < timeout_s):
-                self._update()
-                next_at = time.time() + self.refresh_s
-                while time.time() < next_at and self._running():
-                    if poll is not None:
-                        poll(10)  # widget events, e.g. the Stop button
-                    time.sleep(0.5)
+
+    def _timed_out(self, timeout_s: float | None) -> bool:
+        return timeout_s is not None and time.time() - self._started >= timeout_s
+
+    async def run(self, timeout_s: float | None = None) -> RunData:
+        """Show the widgets and refresh until the run ends (or timeout_s), then leave the static summary. Await it
+        in a cell (`data = await dashboard.run()`): while it sleeps the kernel handles the Stop button."""
+        import asyncio
+
+        self._open()
+        while self._running() and not self._timed_out(timeout_s):
+            self._update()
+            next_at = time.time() + self.refresh_s
+            while time.time() < next_at and self._running():
+                await asyncio.sleep(0.25)
+        return self._close()
+
+    def follow(self, timeout_s: float | None = None) -> RunData:
+        """`run()` for a caller that cannot await (a script): the same refreshes, but in a notebook a click on Stop
+        waits until this returns; use `await run()` there, or `workbench stop RUN` from a terminal."""
+        self._open()
+        while self._running() and not self._timed_out(timeout_s):
+            self._update()
+            next_at = time.time() + self.refresh_s
+            while time.time() < next_at and self._running():
+                time.sleep(0.25)
+        return self._close()
+
+    def _close(self) -> RunData:
+        """The run ended: the live widget gives way to one line (no Stop left to click, no second figure), then
+        the static record."""
+        from IPython.display import HTML
+
         self._update()
+        prog = self.data.progress()
+        ended = ("stopped early" if self.data.stop_requested else "ended") + f" at step {prog['step']}"
+        if self._handle is not None:
+            self._handle.update(HTML(f"<p><i>Run {ended}; its record follows.</i></p>"))
+        if self._widgets is not None:
+            self._widgets.close()
         self.finish()
         return self.data
 

@@ -144,18 +144,25 @@ def training_figure(data, title: str | None = None):
 
     rows = [r for r in data.rollout if "running" in r]
     if rows:
+        # at 1 Hz the requests come and go within a step: averaged over ~40 points, running as a shaded area and
+        # waiting as a line, the generation rate on its own axis, one legend for all three
         t = [r["time"] - start for r in rows]
-        ax[8].plot(*_smooth(t, [r["running"] for r in rows]), label="running")
-        ax[8].plot(*_smooth(t, [r.get("waiting", 0) for r in rows]), label="waiting")
+        tx, running = _smooth(t, [r["running"] for r in rows], points=40)
+        handles = [ax[8].fill_between(tx, running, step="mid", alpha=0.35, color="tab:blue", label="running")]
+        handles += ax[8].plot(*_smooth(t, [r.get("waiting", 0) for r in rows], points=40), color="tab:orange",
+                              label="waiting")
+        ax[8].set_ylim(bottom=0)
+        ax[8].set_ylabel("requests", fontsize=8)
         ax[8].set_title("server requests in flight")
         ax[8].set_xlabel("seconds", fontsize=8)
         rates = [(ti, r["generation_tokens_per_s"]) for ti, r in zip(t, rows) if "generation_tokens_per_s" in r]
         if rates:
             twin = ax[8].twinx()
-            twin.plot(*_smooth([p[0] for p in rates], [p[1] for p in rates]), color="tab:green", lw=1,
-                      label="tokens/s")
+            handles += twin.plot(*_smooth([p[0] for p in rates], [p[1] for p in rates], points=40),
+                                 color="tab:green", lw=1, label="tokens/s")
+            twin.set_ylim(bottom=0)
             twin.set_ylabel("generated tokens/s", fontsize=8)
-        ax[8].legend(fontsize=8, loc="upper left")
+        ax[8].legend(handles=handles, fontsize=8, loc="upper left")
     else:
         _empty(ax[8], "no server metrics")
 

@@ -5,8 +5,9 @@
 
 Everything is read from the run directory (nothing from memory), so a crashed or stopped run gets a report of
 what it wrote. No external URL anywhere: CSS is inline, figures are base64 PNGs, links point to files inside the
-run directory. Sections: outcome, stages, evaluation before vs after, training curves and summary, step-time
-breakdown, advisor findings, sample completions, smoke checks, serving sweep, offline generation, environment
+run directory. Sections: outcome, stages, evaluation before vs after, base vs trained per problem (fixed, broken,
+breakdowns by category and response length), training curves and summary, step-time
+breakdown, advisor findings, sample completions, GRPO groups, smoke checks, serving sweep, offline generation, environment
 and versions, the resolved recipe.
 """
 from __future__ import annotations
@@ -126,6 +127,30 @@ def _evaluation(run: RunDir) -> tuple[str, Evaluation | None]:
     return out, evaluation
 
 
+def _per_problem(run: RunDir, evaluation: Evaluation | None) -> str:
+    """Base vs trained problem by problem: the outcome counts and every breakdown in one table. From analysis.json
+    (notebook 05 writes it), else computed from the samples and the run's recipe (a `workbench eval` run)."""
+    from workbench.evaluation import analysis
+
+    found = analysis.Analysis.load(run.eval)
+    if found is None and evaluation is not None and len(evaluation.summaries) > 1 and run.recipe.exists():
+        try:
+            from workbench import recipe
+
+            found = analysis.analyse(evaluation, recipe.load(str(run.recipe)))
+        except Exception:  # a recipe that no longer loads (a data file gone): the rest of the report still comes
+            return ""
+    if found is None or not found.models:
+        return ""
+    first, second = found.models
+    expected = " (expected counts over the repeats)" if found.repeats > 1 else ""
+    return (f"<h2>Base vs trained per problem</h2><p>{_e(second)} vs {_e(first)} on {found.counts['n']} problems"
+            f"{expected}: fixed should far outnumber broken, with the gain spread across categories."
+            + (f" {_e(found.note)}." if found.note else "") + "</p>"
+            + _table(analysis.COUNTS_HEADER, [found.counts_row()], left=0)
+            + _table(analysis.BREAKDOWN_HEADER, found.table_rows(), left=2))
+
+
 def _training(train_dir: TrainDir) -> str:
     if not train_dir.exists():
         return ""
@@ -157,10 +182,35 @@ def _training(train_dir: TrainDir) -> str:
     completions = data.latest_completions(6)
     if completions:
         out += "<h3>Latest training completions</h3>" + views.completions_html(completions)
+    out += _groups(train_dir)
     summary = data.train_summary
     if summary is None:
         out += ("<p class='bad'>No train.json: the training did not finish (crashed or killed). The curves show every "
                 "step it logged.</p>")
+    return out
+
+
+def _groups(train_dir: TrainDir) -> str:
+    """From the group record: how many groups carried a learning signal over the run, and a few groups of the last
+    recorded step as the trainer saw them (completions, each reward, advantage, length)."""
+    from workbench.observe import groups  # pandas: only for a run that recorded groups
+
+    if not groups.files(train_dir):
+        return ""
+    record = groups.load(train_dir)
+    if record.empty:
+        return ""
+    table = groups.per_step(record)
+    zero = float((table["zero_spread"] * table["groups"]).sum() / table["groups"].sum())
+    first, last = table.iloc[0], table.iloc[-1]
+    out = (f"<h3>GRPO groups</h3><p>{int(table['groups'].sum())} groups recorded over {len(table)} steps "
+           f"(<code>{_e(train_dir.groups.relative_to(train_dir.path.parent))}/</code>; browse them with "
+           f"<code>groups.inspector(run.train)</code> in notebook 04): <b>{100 * zero:.0f}%</b> had zero reward "
+           f"spread, i.e. no learning signal (step {int(first['step'])}: {100 * first['zero_spread']:.0f}%, "
+           f"step {int(last['step'])}: {100 * last['zero_spread']:.0f}%); "
+           f"{100 * float(record['truncated'].mean()):.0f}% of completions were cut off.</p>")
+    for title, rows in groups.illustrative(record):
+        out += groups.group_html(rows, title, max_chars=240)
     return out
 
 
@@ -247,7 +297,7 @@ def build(run: RunDir | Path | str) -> Path:
     evaluation, evals = _evaluation(run)
     body = [f"<h1>GRPO Workbench report · {_e(run.path.name)}</h1>",
             f"<p>Built {time.strftime('%Y-%m-%d %H:%M:%S')} from <code>{_e(run.path.resolve())}</code>.</p>",
-            _outcome(record, evals), _stages(record), evaluation, _training(run.train),
+            _outcome(record, evals), _stages(record), evaluation, _per_problem(run, evals), _training(run.train),
             _smoke(run), _serving(run), _offline(run), _environment(run), _recipe(run)]
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>GRPO report {_e(run.path.name)}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(body)}{CHECK_SCRIPT}</body></html>")

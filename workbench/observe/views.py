@@ -16,7 +16,9 @@ from workbench.observe.rundata import RunData
 def fmt_seconds(seconds: float | None) -> str:
     if seconds is None:
         return "–"
-    seconds = int(seconds)
+    if seconds < 10:  # a step time: 1.7 s is not "1s"
+        return f"{seconds:.1f}s"
+    seconds = int(round(seconds))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 

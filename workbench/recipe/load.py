@@ -307,6 +307,8 @@ def _ranges(recipe: Recipe) -> list[WorkbenchError]:
         _at_least("monitor.sample_interval_s", m.sample_interval_s, 0, strict=True),
         _at_least("monitor.completions_shown", m.completions_shown, 0),
         _at_least("monitor.canary_every", m.canary_every, 0, "set monitor.canary_every to N steps, or 0 to turn it off"),
+        _at_least("monitor.groups_per_step", m.groups_per_step, 0,
+                  "set monitor.groups_per_step to the groups kept per step, or 0 to record none"),
         _at_least("monitor.canary_warn_gap", m.canary_warn_gap, 0, strict=True),
         _at_least("monitor.canary_stop_gap", m.canary_stop_gap, 0, strict=True),
         _at_least("distributed.device_memory_gib", recipe.distributed.device_memory_gib, 0, strict=True),
@@ -405,6 +407,30 @@ def _data(recipe: Recipe) -> list[WorkbenchError]:
     return out
 
 
+def _breakdown(recipe: Recipe) -> list[WorkbenchError]:
+    """eval.breakdown names each field once; for the arithmetic task, its categories. A dataset's fields are
+    columns of its records, checked when the analysis reads them (workbench/evaluation/analysis.py)."""
+    from workbench.evaluation.analysis import COLUMNS
+    from workbench.tasks.arithmetic import CATEGORIES
+
+    fields, out = recipe.eval.breakdown, []
+    repeated = sorted({f for f in fields if fields.count(f) > 1})
+    if repeated:
+        out.append(WorkbenchError(f"eval.breakdown repeats {repeated}", "name each field once"))
+    if any(not f.strip() for f in fields):
+        out.append(WorkbenchError("eval.breakdown has an empty name",
+                                  "name fields of the eval rows, or leave it empty"))
+    unknown = [f for f in fields if f not in CATEGORIES]
+    if recipe.data.name == "arithmetic" and unknown:
+        out.append(WorkbenchError(f"eval.breakdown names {unknown}, not categories of the arithmetic task",
+                                  f"use some of: {', '.join(CATEGORIES)} (or leave it empty for all three)"))
+    reserved = [f for f in fields if f in COLUMNS]
+    if recipe.data.name != "arithmetic" and reserved:
+        out.append(WorkbenchError(f"eval.breakdown names {reserved}, which the analysis computes itself",
+                                  "response length is always broken down; name other fields of the records"))
+    return out
+
+
 def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
     """Cross-section and range checks. Returns every problem (raise_first=False) or raises the first one."""
     problems: list[WorkbenchError] = []
@@ -429,15 +455,10 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
     if isinstance(recipe.trainer.get("learning_rate"), (int, float)) and recipe.trainer["learning_rate"] <= 0:
         problems.append(WorkbenchError(f"trainer.learning_rate is {recipe.trainer['learning_rate']!r}",
                                        "set a positive learning rate, e.g. 1e-6"))
-    from workbench.tasks import rewards
+    from workbench.tasks import rewardspec
 
-    if not recipe.rewards:
-        problems.append(WorkbenchError("rewards is empty", "name at least one reward, e.g. correctness: 1.0"))
-    for name in recipe.rewards:
-        try:
-            rewards.get(name)
-        except WorkbenchError as exc:
-            problems.append(WorkbenchError(f"rewards.{name}: {exc.cause}", exc.fix))
+    # each reward's function imported and checked (module:function, TRL's signature, its args) at load
+    problems += rewardspec.problems(recipe.rewards)
     choices = {
         "server.mode": (recipe.server.mode, ("managed", "attach", "colocate", "off")),
         "rollout.mode": (recipe.rollout.mode, ("sync", "async")),
@@ -466,6 +487,7 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
     problems += _rollout(recipe)
     problems += _ranges(recipe)
     problems += _data(recipe)
+    problems += _breakdown(recipe)
     try:
         completion = recipe.max_completion_length
     except (TypeError, ValueError):  # already reported as a type problem above

@@ -125,6 +125,8 @@ class MonitorConfig:
     sample_interval_s: float = 1.0  # device and server sampling period
     dashboard: bool = True
     completions_shown: int = 4
+    # GRPO groups recorded per training step for the group inspector (train/groups/), drawn at random; 0 = none
+    groups_per_step: int = 16
     # weight-parity canary: every N optimizer steps (0 = off) a fixed probe set is scored by the server and by the
     # trainer right after a weight push; the gap is mean |log p_server - log p_trainer| per token
     canary_every: int = 10
@@ -145,6 +147,9 @@ class EvalConfig:
     max_tokens: int = 48
     stop: list[str] = field(default_factory=list)
     retries: int = 3  # per request, on connection errors, timeouts and 5xx
+    # dataset fields the base-vs-trained analysis breaks its counts down by (workbench/evaluation/analysis.py):
+    # arithmetic: operation, carry, phrasing (empty: all three); a dataset: any column of its records
+    breakdown: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -156,7 +161,8 @@ class Recipe:
     server: ServerConfig = field(default_factory=ServerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: dict[str, Any] = field(default_factory=dict)  # trl.GRPOConfig arguments, checked against it
-    rewards: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.2})
+    # name: weight, or name: {function: module:function, weight, args} (workbench/tasks/rewardspec.py)
+    rewards: dict[str, Any] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.2})
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)

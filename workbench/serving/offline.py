@@ -90,18 +90,14 @@ def prepare_engine_environment(rr: Resolved, cores: list[int] | None = None) -> 
             os.environ["OMP_NUM_THREADS"] = str(len(cores))
 
 
-def generate(rr: Resolved, model_path: str | None = None, num_prompts: int = 8, max_tokens: int | None = None,
-             temperature: float = 0.0, log=print) -> OfflineResult:
-    from workbench.tasks.dataset import eval_rows
+def engine(rr: Resolved, model_path: str | None = None, log=print):
+    """vLLM's `LLM` in this process with the served engine's settings: (llm, seconds it took to start)."""
     from workbench.tasks.tinymodel import ensure_model
 
     recipe, platform = rr.recipe, rr.platform
     model_path = model_path or ensure_model(rr, log=log)
-    rows = eval_rows(recipe)[:num_prompts]
-    if not rows:
-        raise WorkbenchError("the evaluation split has no rows", "check the recipe's data and eval sections")
     prepare_engine_environment(rr)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     s = recipe.server
     kwargs = dict(model=model_path, dtype=s.dtype, max_model_len=s.max_model_len,
@@ -112,8 +108,25 @@ def generate(rr: Resolved, model_path: str | None = None, num_prompts: int = 8, 
         kwargs["enforce_eager"] = True
     started = time.time()
     llm = LLM(**kwargs)
-    result = OfflineResult(model_path=model_path, init_seconds=time.time() - started)
-    log(f"vLLM engine up in {result.init_seconds:.0f}s ({platform})")
+    seconds = time.time() - started
+    log(f"vLLM engine up in {seconds:.0f}s ({platform})")
+    return llm, seconds
+
+
+def generate(rr: Resolved, model_path: str | None = None, num_prompts: int = 8, max_tokens: int | None = None,
+             temperature: float = 0.0, log=print) -> OfflineResult:
+    from workbench.tasks.dataset import eval_rows
+    from workbench.tasks.tinymodel import ensure_model
+
+    recipe = rr.recipe
+    model_path = model_path or ensure_model(rr, log=log)
+    rows = eval_rows(recipe)[:num_prompts]
+    if not rows:
+        raise WorkbenchError("the evaluation split has no rows", "check the recipe's data and eval sections")
+    llm, seconds = engine(rr, model_path, log=log)
+    from vllm import SamplingParams
+
+    result = OfflineResult(model_path=model_path, init_seconds=seconds)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens or recipe.eval.max_tokens,
                             seed=recipe.data.seed)
     started = time.time()

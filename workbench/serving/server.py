@@ -17,11 +17,18 @@ The command line and environment come from launch.py. The server runs in its own
 the stage's directory. `stop()` ends the whole group; so does the exit of this Python process (atexit) and,
 through PR_SET_PDEATHSIG, its death by a signal. With `server.mode: attach`, nothing is started: an existing server
 at `server.url` is checked the same way.
+
+A server can be shared (`share()`): `workbench run` starts one for its serving, smoke and training stages instead of
+one per stage, and names it in WORKBENCH_SHARED_SERVER, which the stages' processes inherit. A managed VLLMServer
+whose command line is that server's adopts it instead of launching: it is verified the same way, `stop()` leaves it
+running, and `restart()` asks its owner (a request file answered by `serve_shared_requests` in the owner's process),
+so a training's recovery still works.
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -33,10 +40,11 @@ import requests
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
-from workbench.rundir import server_log
+from workbench.rundir import server_log, write_atomic
 from workbench.serving import client, launch, shm
 
 _LIVE: set["VLLMServer"] = set()
+SHARED_ENV = "WORKBENCH_SHARED_SERVER"
 
 
 def child_setup(cores: list[int] | None = None):
@@ -128,6 +136,7 @@ class VLLMServer:
         self.startup_seconds: float | None = None
         self.shm_files: set[str] = set()  # the running server's /dev/shm files (see shm.py)
         self.restarts = 0
+        self.adopted: dict | None = None  # the shared server this one stands for (see the module docstring)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self, restarting: bool = False) -> "VLLMServer":
@@ -140,6 +149,12 @@ class VLLMServer:
                                  "set server.mode to managed or attach")
         if not self.model_path:
             raise WorkbenchError("no model path given to the server", "pass the policy's directory")
+        shared = self._shared()
+        if shared is not None:
+            self.adopted = shared
+            self.log_path = Path(shared["log"])
+            self.model_entry = client.verify(self.rr)
+            return self
         s = self.recipe.server
         launch.check_extra_args(self.rr)
         launch.check_exposure(self.rr, for_training=self.for_training)
@@ -200,9 +215,40 @@ class VLLMServer:
                                      f"raise server.startup_timeout_s if it is still loading; likely cause: {likely_cause(tail)}")
             time.sleep(1.0)
 
+    def _shared(self) -> dict | None:
+        """The shared server to adopt: one named in the environment with exactly this server's command line."""
+        try:
+            shared = json.loads(os.environ.get(SHARED_ENV, ""))
+        except ValueError:
+            return None
+        wanted = launch.command(self.rr, str(self.model_path))
+        if shared.get("command") != wanted or (self.for_training and not shared.get("for_training")):
+            return None
+        return shared
+
+    def share(self, directory: Path) -> dict:
+        """What a stage's process needs to adopt this running server (put it in SHARED_ENV as JSON); restart
+        requests arrive in `directory` (see serve_shared_requests)."""
+        return {"command": launch.command(self.rr, str(self.model_path)), "url": self.url, "pid": self.pid,
+                "log": str(self.log_path), "for_training": self.for_training, "requests": str(directory)}
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process (its group leader), also when adopted: what the device sampler watches."""
+        if self.adopted is not None:
+            return self.adopted.get("pid")
+        return self.process.pid if self.process else None
+
     def restart(self) -> float | None:
         """Stop whatever is left of the server, keep its log beside the new one, start it again with the same
-        recipe and model (a training run then pushes its current weights: see workbench/training/recovery.py)."""
+        recipe and model (a training run then pushes its current weights: see workbench/training/recovery.py).
+        An adopted server is restarted by its owner, on request."""
+        if self.adopted is not None:
+            answer = _request_restart(Path(self.adopted["requests"]), self.recipe.server.startup_timeout_s + 60)
+            self.adopted["pid"] = answer.get("pid")
+            self.restarts += 1
+            self.model_entry = client.verify(self.rr)
+            return answer.get("seconds")
         self.stop(timeout=10)
         self.restarts += 1
         if self.log_path and self.log_path.exists():
@@ -216,7 +262,11 @@ class VLLMServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout: float = 20.0) -> None:
-        """End the server's whole process group: SIGTERM, then SIGKILL for whatever is left."""
+        """End the server's whole process group: SIGTERM, then SIGKILL for whatever is left. An adopted (shared)
+        server is left running for its owner to stop."""
+        if self.adopted is not None:
+            self.adopted = None
+            return
         _LIVE.discard(self)
         proc, self.process = self.process, None
         if proc is None:
@@ -299,6 +349,46 @@ def group_members(pgid: int) -> list[int]:
         if _pgid(p.info["pid"]) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
             out.append(p.info["pid"])
     return out
+
+
+def _request_restart(directory: Path, timeout: float) -> dict:
+    """Ask the shared server's owner to restart it; its answer: {"seconds", "pid"}."""
+    token = f"{os.getpid()}-{time.time()}"
+    request, answer = directory / "restart.request", directory / "restart.answer"
+    answer.unlink(missing_ok=True)
+    write_atomic(request, token)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            reply = json.loads(answer.read_text())
+        except (OSError, ValueError):
+            reply = {}
+        if reply.get("token") == token:
+            answer.unlink(missing_ok=True)
+            if reply.get("error"):
+                raise WorkbenchError(f"the shared server's restart failed: {reply['error']}", "read its log")
+            return reply
+        time.sleep(0.5)
+    raise WorkbenchError(f"no answer to the shared server's restart request within {timeout:.0f}s",
+                         "is `workbench run` (the process that owns the server) still running?")
+
+
+def serve_shared_requests(server: "VLLMServer", directory: Path) -> bool:
+    """In the shared server's owner: answer a pending restart request; True when one was served."""
+    request = directory / "restart.request"
+    try:
+        token = request.read_text()
+    except OSError:
+        return False
+    request.unlink(missing_ok=True)
+    reply: dict = {"token": token}
+    try:
+        reply["seconds"] = server.restart()
+        reply["pid"] = server.pid
+    except Exception as exc:  # the adopter raises it, and its recovery reports the lost server
+        reply["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    write_atomic(directory / "restart.answer", json.dumps(reply))
+    return True
 
 
 @atexit.register

@@ -11,7 +11,12 @@ The target spells the digit-by-digit working before the answer, which is what le
     82 - 35: 12-5=7, 8-1-3=4. <answer>47</answer>
 
 Rows have the columns every workbench dataset has: `prompt` (chat messages), `answer` (gold string), `id`,
-`source`; arithmetic rows also carry `target` (the full worked completion, for pre-training the tiny model).
+`source`; arithmetic rows also carry `target` (the full worked completion, for pre-training the tiny model) and
+the problem's categories (CATEGORIES), for the evaluation analysis's breakdowns (workbench.evaluation.analysis):
+`operation` ("addition" | "subtraction"), `carry` (True when the units column needs a carry, or a borrow for
+subtraction: the "+1" / "-1" step of the working line) and `phrasing` (which template worded it, PHRASING_NAMES).
+They are read off the problem after it is drawn, so the problems, their text and their answers for a seed are the
+same as without them.
 
     python -m workbench.arithmetic          # prints a few rows of each split
 """
@@ -26,6 +31,8 @@ PHRASINGS = (
     "A shelf holds {a} books and {b} books are {moved}. How many books are on the shelf?",
 )
 _VERBS = {"+": ("buys", "added"), "-": ("gives away", "taken off")}
+PHRASING_NAMES = ("bare", "apples", "books")  # one short name per template in PHRASINGS, same order
+CATEGORIES = ("operation", "carry", "phrasing")  # the category columns of every row
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,18 @@ class Problem:
     def question(self) -> str:
         verb, moved = _VERBS[self.op]
         return PHRASINGS[self.phrasing].format(a=self.a, op=self.op, b=self.b, verb=verb, moved=moved)
+
+    @property
+    def needs_carry(self) -> bool:
+        """Whether the units column carries into the tens (addition) or borrows from them (subtraction)."""
+        a0, b0 = self.a % 10, self.b % 10
+        return a0 + b0 >= 10 if self.op == "+" else a0 < b0
+
+    @property
+    def categories(self) -> dict:
+        """The problem's category columns (CATEGORIES), as its rows carry them."""
+        return {"operation": "addition" if self.op == "+" else "subtraction", "carry": self.needs_carry,
+                "phrasing": PHRASING_NAMES[self.phrasing]}
 
     @property
     def working(self) -> str:
@@ -70,6 +89,7 @@ class Problem:
             "target": self.working,
             "id": f"arith-{split}-{self.a}{'p' if self.op == '+' else 'm'}{self.b}",
             "source": "arithmetic",
+            **self.categories,
         }
 
 

@@ -1,4 +1,5 @@
-"""Reward functions: plain functions with TRL's signature, in a registry the recipe names them from.
+"""Reward functions: plain functions with TRL's signature, in a registry the recipe names them from (a recipe may
+also name a function of its own as module:function: workbench/tasks/rewardspec.py).
 
     fn(prompts, completions, **kwargs) -> list[float | None]
 
@@ -60,12 +61,16 @@ def _sample(prompts, completions, columns: dict, i: int) -> str:
         f", {gold}" if gold else "")
 
 
-def guarded(name: str) -> RewardFn:
-    """The registered reward `name`, stopping the run with its name and the offending sample when it raises or
-    returns a score that is not a finite number or None: training on NaN advantages silently ruins the policy.
+def guarded(spec) -> RewardFn:
+    """The reward a recipe names (a registry name or a `rewardspec.RewardSpec`: module:function with args), stopping
+    the run with its name and the offending sample when it raises or returns a score that is not a finite number or
+    None: training on NaN advantages silently ruins the policy.
 
     TRL names the reward's metrics after `__name__`; the wrapper keeps it."""
-    fn = get(name)
+    if isinstance(spec, str):
+        fn, name = get(spec), spec
+    else:
+        fn, name = spec.callable(), spec.name
 
     @functools.wraps(fn)
     def checked(prompts, completions, **columns):

@@ -311,7 +311,7 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
                 for path in served:
                     train_dir = TrainDir(stage.path / f"{size}-{path}").make()
                     log(f"bench: {size} {path}: {steps + warmup} steps")
-                    run_trainer(plans[(size, path)], train_dir, model_path, srv.process.pid if srv.process else None,
+                    run_trainer(plans[(size, path)], train_dir, model_path, srv.pid,
                                 srv.url, log=log, restart=srv.restart)
                     bench.results.append(summarise(size, path, train_dir, warmup))
                 bench.saturation[size] = saturation(rr, srv.url, concurrencies or [1, 2, 4])

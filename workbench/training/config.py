@@ -10,6 +10,8 @@ TRL's own cross-field rules; its errors come back as one line.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +40,13 @@ def _as_if_on(platform: str):
 
 def trainer_arguments(rr: Resolved, output_dir: str) -> dict[str, Any]:
     """The keyword arguments for trl.GRPOConfig: the trainer section plus what other sections imply."""
+    from workbench.tasks import rewardspec
+
     recipe, platform = rr.recipe, rr.platform
     args = dict(recipe.trainer)
     args["output_dir"] = output_dir
     args["seed"] = recipe.data.seed
-    args["reward_weights"] = list(recipe.rewards.values())
+    args["reward_weights"] = [spec.weight for spec in rewardspec.parse(recipe.rewards)]
     if platform == "cpu":
         args["use_cpu"] = True
         args["bf16"] = False
@@ -78,7 +82,7 @@ def preflight(rr: Resolved) -> None:
     GRPOConfig, TRL's batch divisibility rules for the run's real number of trainer processes (the config built
     here sees one), the training rows and the reward functions. Every problem at once, as one error."""
     from workbench.recipe.load import RecipeProblems
-    from workbench.tasks import dataset, rewards
+    from workbench.tasks import dataset, rewardspec
 
     problems: list[WorkbenchError] = []
     args = None
@@ -103,15 +107,19 @@ def preflight(rr: Resolved) -> None:
                 f"{args.steps_per_generation}), not divisible by num_generations={args.num_generations}",
                 "make the batch a multiple of num_generations (change per_device_train_batch_size, "
                 "steps_per_generation or num_generations)"))
+    rows: list[dict] = []
     try:
-        dataset.recipe_rows(rr.recipe)
+        rows = dataset.recipe_rows(rr.recipe)
     except WorkbenchError as exc:
         problems.append(exc)
-    for name in rr.recipe.rewards:
-        try:
-            rewards.get(name)
-        except WorkbenchError as exc:
-            problems.append(exc)
+    reward_problems = rewardspec.problems(rr.recipe.rewards)
+    problems += reward_problems
+    if not reward_problems and rows:  # each reward called on a few training rows: a bad return stops it here
+        for spec in rewardspec.parse(rr.recipe.rewards):
+            try:
+                rewardspec.probe(spec, rows)
+            except WorkbenchError as exc:
+                problems.append(exc)
     sync_dir = rr.recipe.server.sync_dir
     if rr.weight_sync == "reload" and sync_dir and Path(sync_dir).is_dir():
         from workbench.serving.sync import ReloadSync
@@ -125,8 +133,13 @@ def preflight(rr: Resolved) -> None:
         from workbench.serving import launch
 
         server = rr.recipe.server
+        # a server `workbench run` shares with this stage holds the port: that one is this run's own
+        try:
+            shared = json.loads(os.environ.get("WORKBENCH_SHARED_SERVER", "")).get("url")
+        except ValueError:
+            shared = None
         for check in (lambda: launch.check_extra_args(rr), lambda: launch.check_exposure(rr, for_training=True),
-                      lambda: launch.check_port_free(server.host, server.port),
+                      lambda: launch.check_port_free(server.host, server.port) if rr.server_url != shared else None,
                       lambda: launch.check_cpu_cores(rr) if rr.platform == "cpu" else None):
             try:
                 check()

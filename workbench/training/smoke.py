@@ -94,6 +94,8 @@ def verify(train_dir: TrainDir, base_model: str | Path) -> SmokeChecks:
     served = 0.0
     if train_dir.server_metrics.exists():
         served = scraper.parse(train_dir.server_metrics.read_text()).get("requests_finished", 0.0)
+        if train_dir.server_metrics_start.exists():  # a shared server: only what it served for this training counts
+            served -= scraper.parse(train_dir.server_metrics_start.read_text()).get("requests_finished", 0.0)
     checks.append(Check("server served the rollouts", served >= completions and steps > 0,
                         f"vllm:request_success_total = {served:.0f} after {steps} steps"
                         f" (≥ {completions} completions expected)"))

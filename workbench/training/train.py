@@ -317,7 +317,11 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False) ->
     with VLLMServer(rr, model_path, train_dir.path, for_training=True) as srv:
         log(f"server: {srv.url} serving {recipe.server.served_model_name!r}"
             + (f", started in {srv.startup_seconds:.0f}s" if srv.startup_seconds else " (attached)"))
-        server_pid = srv.process.pid if srv.process else None
+        server_pid = srv.pid
+        try:  # counters before this training: the server may have served other stages (a shared server)
+            write_atomic(train_dir.server_metrics_start, srv.metrics())
+        except Exception:
+            train_dir.server_metrics_start.unlink(missing_ok=True)
         if several:
             _run_ranks(rr, train_dir, server_pid, log, server=srv if managed else None, resume_from=resume_from)
             summary = TrainSummary.load(train_dir)

@@ -29,9 +29,10 @@ from workbench.recipe import Resolved
 from workbench.rundir import TrainDir
 from workbench.serving import sync
 from workbench.training.canary import Canary
+from workbench.training.groups import GroupRecorder
 from workbench.training.overlap import Ahead
 from workbench.training.recovery import Recovery
-from workbench.tasks import dataset, rewards
+from workbench.tasks import dataset, rewards, rewardspec
 from workbench.training.config import grpo_config
 
 
@@ -135,8 +136,11 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None,
                  request_timeout: float | None = None, canary: Canary | None = None,
-                 recovery: Recovery | None = None, server_logprobs=None, overlap: bool = False, **kwargs):
+                 recovery: Recovery | None = None, server_logprobs=None, overlap: bool = False,
+                 groups: GroupRecorder | None = None, **kwargs):
         training_args: GRPOConfig = kwargs["args"]
+        self.groups = groups
+        self._batch_completion_ids: list[list[int]] = []
         wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
         self.weight_sync = weight_sync
         self.canary = canary if wants_server else None
@@ -209,6 +213,23 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         if self.ahead is not None:
             self._ask_ahead()
         return completion_ids, logprobs
+
+    # --- the group record (workbench/training/groups.py): each step's groups with their rewards and advantages --
+
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        self._batch_completion_ids = out[1]  # this rank's completions, as TRL measures lengths and truncation
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.groups is not None and self.model.training:
+            try:
+                self.groups.record(self, self._batch_completion_ids)
+            except Exception as exc:  # an inspection aid must never end a training run; say so once and stop
+                print(f"warning: the group record stopped ({type(exc).__name__}: {exc})", flush=True)
+                self.groups = None
+        return output
 
     def _calculate_rewards(self, *args, **kwargs):
         started = time.perf_counter()
@@ -292,7 +313,9 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
     canary = Canary.for_recipe(rr, train_dir, tokenizer, log=log) if train_dir is not None else None
     return WorkbenchGRPOTrainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=dataset.to_hf_dataset(rows),
-        reward_funcs=[rewards.guarded(name) for name in recipe.rewards],
+        reward_funcs=[rewards.guarded(spec) for spec in rewardspec.specs(recipe.rewards)],
         weight_sync=weight_sync, headers=rr.headers, request_timeout=recipe.server.request_timeout_s,
         canary=canary, recovery=recovery, server_logprobs=lambda ids: client.sequence_logprobs(rr, ids),
-        overlap=recipe.rollout.mode == "async")
+        overlap=recipe.rollout.mode == "async",
+        groups=(GroupRecorder(train_dir, recipe.monitor.groups_per_step, seed=recipe.data.seed)
+                if train_dir is not None and recipe.monitor.groups_per_step > 0 else None))
