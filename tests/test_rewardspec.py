@@ -108,3 +108,12 @@ def test_trainer_weights_follow_the_specs(project):
     r = recipe.load("smoke", ["rewards.short={function: lab_rewards:brevity, weight: 0.3, args: {limit: 5}}"])
     args = trainer_arguments(recipe.resolve(r, platform="cpu"), "/tmp/x")
     assert args["reward_weights"] == [1.0, 0.2, 0.3]
+
+
+def test_an_edited_module_is_imported_afresh(project):
+    """The reward lab is for iterating: a changed rewards module is what the next call uses, in the same process."""
+    (first,) = rewardspec.specs({"lab_rewards:brevity": 1.0})
+    assert first.callable()([None], [[{"role": "assistant", "content": "ab"}]]) == [0.8]
+    (project / "lab_rewards.py").write_text(MODULE.replace("1.0 - len(", "1.0 - 2 * len("))
+    (second,) = rewardspec.specs({"lab_rewards:brevity": 1.0})
+    assert second.callable()([None], [[{"role": "assistant", "content": "ab"}]]) == [0.6]

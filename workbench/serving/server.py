@@ -137,6 +137,7 @@ class VLLMServer:
         self.shm_files: set[str] = set()  # the running server's /dev/shm files (see shm.py)
         self.restarts = 0
         self.adopted: dict | None = None  # the shared server this one stands for (see the module docstring)
+        self.sharing = False  # this one is shared: its own restarts launch, never adopt (the name is its own)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self, restarting: bool = False) -> "VLLMServer":
@@ -217,6 +218,8 @@ class VLLMServer:
 
     def _shared(self) -> dict | None:
         """The shared server to adopt: one named in the environment with exactly this server's command line."""
+        if self.sharing:
+            return None
         try:
             shared = json.loads(os.environ.get(SHARED_ENV, ""))
         except ValueError:
@@ -229,6 +232,7 @@ class VLLMServer:
     def share(self, directory: Path) -> dict:
         """What a stage's process needs to adopt this running server (put it in SHARED_ENV as JSON); restart
         requests arrive in `directory` (see serve_shared_requests)."""
+        self.sharing = True
         return {"command": launch.command(self.rr, str(self.model_path)), "url": self.url, "pid": self.pid,
                 "log": str(self.log_path), "for_training": self.for_training, "requests": str(directory)}
 

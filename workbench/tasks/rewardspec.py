@@ -226,9 +226,18 @@ def _import(ref: str, where: str) -> Any:
                                      "fix that file") from None
             sys.modules[name] = module
     else:
+        # The user's project is the working directory (`workbench` runs from a console script, whose sys.path does
+        # not have it): first on the path, as for `python -m` there. A module of it imported before is imported
+        # afresh: edited since (the reward lab is for iterating), or another project's module of the same name.
         cwd = os.getcwd()
-        if cwd not in sys.path:  # `workbench` runs from a console script: the user's project is the working dir
-            sys.path.append(cwd)
+        if cwd in sys.path:
+            sys.path.remove(cwd)
+        sys.path.insert(0, cwd)
+        top = target.split(".")[0]
+        if top in sys.modules and not _installed(sys.modules[top]):
+            for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+                del sys.modules[name]
+            importlib.invalidate_caches()
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as exc:
@@ -243,3 +252,13 @@ def _import(ref: str, where: str) -> Any:
         raise WorkbenchError(f"{where}: {target} has no {attr!r}",
                              f"name one of its functions: {', '.join(public[:8]) or '(none)'}")
     return getattr(module, attr)
+
+
+def _installed(module) -> bool:
+    """Part of the Python installation or of the workbench (never re-imported), not of the user's project."""
+    origin = getattr(module, "__file__", None)
+    if origin is None:
+        return True  # built in, or a namespace package
+    roots = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), Path(__file__).resolve().parents[1]}
+    path = Path(origin).resolve()
+    return any(root in path.parents for root in roots)
