@@ -114,7 +114,12 @@ def verify(train_dir: TrainDir, base_model: str | Path) -> SmokeChecks:
     final = train_dir.final
     if (final / "model.safetensors").exists() and (Path(base_model) / "model.safetensors").exists():
         change = _max_weight_change(Path(base_model), final)
-        checks.append(Check("weights changed", change > 0, f"largest parameter change {change:.3g}"))
+        detail = f"largest parameter change {change:.3g}"
+        if change == 0 and rows and all(r.get("frac_reward_zero_std") == 1.0 for r in rows):
+            # not a sync or optimizer fault: every group scored all its completions alike, so every advantage was 0
+            detail += ("; every group of every step had zero reward spread (no learning signal: loss 0) — give the "
+                       "smoke run more prompts or generations per step, or check the rewards")
+        checks.append(Check("weights changed", change > 0, detail))
     else:
         checks.append(Check("weights changed", False, f"no model.safetensors in {final} or {base_model}"))
     checks.append(Check("metrics complete", len(rows) == len({r['step'] for r in rows}) and bool(rows),
