@@ -89,13 +89,9 @@ def test_inspector_widget_renders_the_chosen_step(grouped_run):
     assert widget.children[2].value.startswith("<p>step 1:")
 
 
-def test_recording_off_writes_nothing(tmp_path):
-    from workbench.rundir import TrainDir
-    from workbench.training.groups import GroupRecorder
-
-    assert GroupRecorder(TrainDir(tmp_path), 0).groups_per_step == 0  # the trainer builds none for 0
+def test_groups_per_step_is_checked_at_load():
     from workbench import recipe
 
-    assert recipe.load("smoke", ["monitor.groups_per_step=0"]).monitor.groups_per_step == 0
+    assert recipe.load("smoke", ["monitor.groups_per_step=0"]).monitor.groups_per_step == 0  # 0: no record
     with pytest.raises(Exception, match="monitor.groups_per_step is -1"):
         recipe.load("smoke", ["monitor.groups_per_step=-1"])

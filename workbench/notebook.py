@@ -18,25 +18,30 @@ from workbench.recipe import Resolved
 from workbench.rundir import RunDir
 
 
-def overrides_list(overrides) -> list[str]:
-    if overrides is None:
+def parameter_list(value, name: str = "overrides", example: str = "section.key=value") -> list[str]:
+    """A notebook's list parameter as papermill users pass it: a list, one space-separated string (`-p` passes a
+    string), or a list typed as text (JSON or YAML flow style)."""
+    if value is None:
         return []
-    if isinstance(overrides, str):
-        text = overrides.strip()
-        if text.startswith("["):  # a list typed as text: JSON or YAML flow style
-            import yaml
+    if isinstance(value, str):
+        import yaml
 
-            try:
-                listed = yaml.safe_load(text)
-            except yaml.YAMLError as exc:
-                raise WorkbenchError(f"overrides {text[:80]!r} looks like a list but does not parse ({exc.problem})",
-                                     "write it as '[\"section.key=value\", ...]', or as space-separated words") from None
-            return overrides_list(listed)
-        return shlex.split(text)
-    if isinstance(overrides, (list, tuple)):
-        return [str(o) for o in overrides]
-    raise WorkbenchError(f"overrides is a {type(overrides).__name__}",
-                         "pass a list of section.key=value words, or one space-separated string")
+        text = value.strip()
+        try:
+            if text.startswith("["):
+                return parameter_list(yaml.safe_load(text), name, example)
+            return shlex.split(text)
+        except (yaml.YAMLError, ValueError) as exc:  # a broken list, or shlex's unbalanced quotes
+            raise WorkbenchError(f"{name} {text[:80]!r} does not parse ({getattr(exc, 'problem', None) or exc})",
+                                 f"write it as '[\"{example}\", ...]', or as space-separated words") from None
+    if isinstance(value, (list, tuple)):
+        return [str(o) for o in value]
+    raise WorkbenchError(f"{name} is a {type(value).__name__}",
+                         f"pass a list of {example} words, or one space-separated string")
+
+
+def overrides_list(overrides) -> list[str]:
+    return parameter_list(overrides)
 
 
 def setup(recipe: str, overrides=None, run_dir: str = "", kind: str = "run",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import glob
 import json
 import math
-import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -496,14 +495,9 @@ def select(entries: Iterable[str] | str | None, root: Path | str, newest: int = 
     """Run paths from a notebook's parameter: a list of directories or glob patterns (what `papermill -p` passes, a
     string, is split like a shell line, or read as a list when written as one: '["runs/A", "runs/B"]'), or, when
     empty, the `newest` trained runs under `root`."""
-    if isinstance(entries, str):
-        text = entries.strip()
-        try:
-            entries = yaml.safe_load(text) if text.startswith("[") else shlex.split(text)
-        except (yaml.YAMLError, ValueError) as exc:
-            raise WorkbenchError(f"runs {text[:80]!r} does not parse ({exc})",
-                                 "write the run directories as '[\"runs/A\", \"runs/B\"]' or space-separated") from None
-    entries = [str(e) for e in (entries or [])]
+    from workbench.notebook import parameter_list
+
+    entries = parameter_list(entries, "runs", "runs/A")
     if not entries:
         chosen = trained_runs(root, newest, exclude)
         if not chosen:

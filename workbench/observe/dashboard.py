@@ -123,28 +123,30 @@ class Dashboard:
     def _timed_out(self, timeout_s: float | None) -> bool:
         return timeout_s is not None and time.time() - self._started >= timeout_s
 
+    def _pauses(self, timeout_s: float | None):
+        """The refresh loop, for `run` and `follow` alike: shows the widgets, refreshes every refresh_s, and yields
+        each pause between checks for the caller to sleep (awaiting or blocking)."""
+        self._open()
+        while self._running() and not self._timed_out(timeout_s):
+            self._update()
+            next_at = time.time() + self.refresh_s
+            while time.time() < next_at and self._running():
+                yield 0.25
+
     async def run(self, timeout_s: float | None = None) -> RunData:
         """Show the widgets and refresh until the run ends (or timeout_s), then leave the static summary. Await it
         in a cell (`data = await dashboard.run()`): while it sleeps the kernel handles the Stop button."""
         import asyncio
 
-        self._open()
-        while self._running() and not self._timed_out(timeout_s):
-            self._update()
-            next_at = time.time() + self.refresh_s
-            while time.time() < next_at and self._running():
-                await asyncio.sleep(0.25)
+        for pause in self._pauses(timeout_s):
+            await asyncio.sleep(pause)
         return self._close()
 
     def follow(self, timeout_s: float | None = None) -> RunData:
         """`run()` for a caller that cannot await (a script): the same refreshes, but in a notebook a click on Stop
         waits until this returns; use `await run()` there, or `workbench stop RUN` from a terminal."""
-        self._open()
-        while self._running() and not self._timed_out(timeout_s):
-            self._update()
-            next_at = time.time() + self.refresh_s
-            while time.time() < next_at and self._running():
-                time.sleep(0.25)
+        for pause in self._pauses(timeout_s):
+            time.sleep(pause)
         return self._close()
 
     def _close(self) -> RunData:

@@ -218,11 +218,8 @@ class VLLMServer:
 
     def _shared(self) -> dict | None:
         """The shared server to adopt: one named in the environment with exactly this server's command line."""
-        if self.sharing:
-            return None
-        try:
-            shared = json.loads(os.environ.get(SHARED_ENV, ""))
-        except ValueError:
+        shared = shared_server()
+        if self.sharing or shared is None:
             return None
         wanted = launch.command(self.rr, str(self.model_path))
         if shared.get("command") != wanted or (self.for_training and not shared.get("for_training")):
@@ -248,7 +245,9 @@ class VLLMServer:
         recipe and model (a training run then pushes its current weights: see workbench/training/recovery.py).
         An adopted server is restarted by its owner, on request."""
         if self.adopted is not None:
-            answer = _request_restart(Path(self.adopted["requests"]), self.recipe.server.startup_timeout_s + 60)
+            requests_dir = Path(self.adopted["requests"])
+            answer = ask_restart(requests_dir / "restart.request", requests_dir / "restart.answer",
+                                 self.recipe.server.startup_timeout_s + 60, "`workbench run`")
             self.adopted["pid"] = answer.get("pid")
             self.restarts += 1
             self.model_entry = client.verify(self.rr)
@@ -355,10 +354,20 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def _request_restart(directory: Path, timeout: float) -> dict:
-    """Ask the shared server's owner to restart it; its answer: {"seconds", "pid"}."""
+def shared_server() -> dict | None:
+    """The server `workbench run` shares with this process's stage (VLLMServer.share), from the environment."""
+    try:
+        shared = json.loads(os.environ.get(SHARED_ENV, ""))
+    except ValueError:
+        return None
+    return shared if isinstance(shared, dict) else None
+
+
+def ask_restart(request: Path, answer: Path, timeout: float, owner: str) -> dict:
+    """Ask the process that owns a server (`owner`, for the message) to restart it, through two files it watches
+    (answer_restart); waits for its answer: {"seconds", "pid"}. A rank asks `workbench train`
+    (training/recovery.py), a stage asks `workbench run` for its shared server."""
     token = f"{os.getpid()}-{time.time()}"
-    request, answer = directory / "restart.request", directory / "restart.answer"
     answer.unlink(missing_ok=True)
     write_atomic(request, token)
     deadline = time.time() + timeout
@@ -370,16 +379,16 @@ def _request_restart(directory: Path, timeout: float) -> dict:
         if reply.get("token") == token:
             answer.unlink(missing_ok=True)
             if reply.get("error"):
-                raise WorkbenchError(f"the shared server's restart failed: {reply['error']}", "read its log")
+                raise WorkbenchError(f"the server restart failed: {reply['error']}", "read the server log")
             return reply
         time.sleep(0.5)
-    raise WorkbenchError(f"no answer to the shared server's restart request within {timeout:.0f}s",
-                         "is `workbench run` (the process that owns the server) still running?")
+    raise WorkbenchError(f"no answer to the server restart request within {timeout:.0f}s",
+                         f"is {owner} (the process that owns the server) still running?")
 
 
-def serve_shared_requests(server: "VLLMServer", directory: Path) -> bool:
-    """In the shared server's owner: answer a pending restart request; True when one was served."""
-    request = directory / "restart.request"
+def answer_restart(request: Path, answer: Path, restart, pid=lambda: None) -> bool:
+    """In the process that owns the server: carry out a pending restart request (ask_restart) and answer it with
+    the start-up seconds and the new process (or the error); True when one was served."""
     try:
         token = request.read_text()
     except OSError:
@@ -387,12 +396,18 @@ def serve_shared_requests(server: "VLLMServer", directory: Path) -> bool:
     request.unlink(missing_ok=True)
     reply: dict = {"token": token}
     try:
-        reply["seconds"] = server.restart()
-        reply["pid"] = server.pid
-    except Exception as exc:  # the adopter raises it, and its recovery reports the lost server
+        reply["seconds"] = restart()
+        reply["pid"] = pid()
+    except Exception as exc:  # the asking side raises it, and its recovery reports the lost server
         reply["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    write_atomic(directory / "restart.answer", json.dumps(reply))
+    write_atomic(answer, json.dumps(reply))
     return True
+
+
+def serve_shared_requests(server: "VLLMServer", directory: Path) -> bool:
+    """In the shared server's owner (`workbench run`): answer a stage's pending restart request."""
+    return answer_restart(directory / "restart.request", directory / "restart.answer", server.restart,
+                          lambda: server.pid)
 
 
 @atexit.register

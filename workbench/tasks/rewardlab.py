@@ -4,6 +4,7 @@ on them, and see whether they would teach what you want.
     from workbench.tasks import rewardlab
     samples = rewardlab.from_run(run.train)                 # a run's group record (or TRL's completion logs)
     samples = rewardlab.sample(rr, num_prompts=16)          # or a fresh offline generation: G completions per prompt
+    samples = rewardlab.completions(rr, source)             # either: a run directory's, or (source "") fresh
     lab = rewardlab.score(samples, {"correctness": 1.0, "short": {"function": "my_rewards:brevity", "args": {...}}},
                           rr.recipe)
     lab.table()          # per reward: mean, spread, unscored share, zero-spread groups, correlation with correctness
@@ -29,6 +30,7 @@ import pandas as pd
 from workbench.errors import WorkbenchError
 from workbench.rundir import TrainDir
 from workbench.tasks import rewardspec
+from workbench.tasks.rewards import completion_text
 
 LENGTH_CORRELATION = 0.7  # |Spearman| with length above this, and well above that with correctness: the length hack
 MARGIN = 0.2
@@ -50,7 +52,7 @@ def from_run(train: TrainDir) -> pd.DataFrame:
     frames = []
     for path in logs:
         raw = pd.read_parquet(path)
-        text = lambda m: m[-1]["content"] if hasattr(m, "__len__") and len(m) and isinstance(m[-1], dict) else str(m)  # noqa: E731
+        text = lambda m: completion_text(list(m) if hasattr(m, "tolist") else m)  # noqa: E731 (parquet: arrays)
         frame = pd.DataFrame({"step": raw["step"], "prompt": raw["prompt"].map(text),
                               "completion": raw["completion"].map(text)})
         frame["group"] = (frame["prompt"] != frame["prompt"].shift()).cumsum() - 1
@@ -83,6 +85,13 @@ def sample(rr, num_prompts: int = 16, num_generations: int | None = None, model_
             records.append({"step": 0, "group": g, "prompt": row["prompt"][-1]["content"], "completion": c.text,
                             "length": len(c.token_ids), "answer": row["answer"]})
     return pd.DataFrame(records)
+
+
+def completions(rr, source: str = "", num_prompts: int = 16, log=print) -> pd.DataFrame:
+    """What the lab scores: the completions recorded in the run directory `source`, or (empty) a fresh sample."""
+    from workbench.rundir import RunDir
+
+    return from_run(RunDir.open(source).train) if source else sample(rr, num_prompts=num_prompts, log=log)
 
 
 @dataclass

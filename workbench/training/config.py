@@ -10,8 +10,6 @@ TRL's own cross-field rules; its errors come back as one line.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -132,12 +130,11 @@ def preflight(rr: Resolved) -> None:
         # the server's own checks, made again when it starts: here they cost nothing yet
         from workbench.serving import launch
 
+        from workbench.serving.server import shared_server
+
         server = rr.recipe.server
         # a server `workbench run` shares with this stage holds the port: that one is this run's own
-        try:
-            shared = json.loads(os.environ.get("WORKBENCH_SHARED_SERVER", "")).get("url")
-        except ValueError:
-            shared = None
+        shared = (shared_server() or {}).get("url")
         for check in (lambda: launch.check_extra_args(rr), lambda: launch.check_exposure(rr, for_training=True),
                       lambda: launch.check_port_free(server.host, server.port) if rr.server_url != shared else None,
                       lambda: launch.check_cpu_cores(rr) if rr.platform == "cpu" else None):

@@ -15,16 +15,9 @@ from __future__ import annotations
 import io
 import math
 import random
-from typing import Any
 
 from workbench.rundir import TrainDir, write_atomic
-
-
-def _text(message: Any) -> str:
-    """A prompt or completion as text: the last message's content for chat rows."""
-    if isinstance(message, list) and message and isinstance(message[-1], dict):
-        return str(message[-1].get("content", ""))
-    return str(message)
+from workbench.tasks.rewards import completion_text  # also a chat prompt's last message
 
 
 def total_reward(scores: dict[str, float], weights: dict[str, float]) -> float:
@@ -71,8 +64,8 @@ class GroupRecorder:
             for member in range(size):
                 i = g * size + member
                 own = {name: float(values[i]) for name, values in scores.items()}
-                rows.append({"step": step, "group": g, "member": member, "prompt": _text(prompts[i]),
-                             "completion": _text(completions[i]),
+                rows.append({"step": step, "group": g, "member": member, "prompt": completion_text(prompts[i]),
+                             "completion": completion_text(completions[i]),
                              **{f"reward/{name}": value for name, value in own.items()},
                              "reward": total_reward(own, weights), "advantage": float(advantages[i]),
                              "length": int(lengths[i]), "truncated": bool(truncated[i])})

@@ -20,8 +20,6 @@ fault: the rank writes a restart request into the training directory and `serve_
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Callable
 
@@ -30,7 +28,8 @@ import requests
 from workbench.errors import WorkbenchError
 from workbench.observe.records import append_event
 from workbench.recipe import Resolved
-from workbench.rundir import TrainDir, write_atomic
+from workbench.rundir import TrainDir
+from workbench.serving.server import answer_restart, ask_restart
 
 
 class ServerLost(WorkbenchError):
@@ -121,35 +120,10 @@ class RestartRequest:
         self.timeout = timeout
 
     def __call__(self) -> float | None:
-        token = f"{os.getpid()}-{time.time()}"
-        answer = self.train_dir.restart_answer
-        answer.unlink(missing_ok=True)
-        write_atomic(self.train_dir.restart_request, token)
-        deadline = time.time() + self.timeout
-        while time.time() < deadline:
-            if answer.exists():
-                reply = json.loads(answer.read_text())
-                if reply.get("token") == token:
-                    answer.unlink(missing_ok=True)
-                    if reply.get("error"):
-                        raise WorkbenchError(f"the server restart failed: {reply['error']}", "read the server log")
-                    return reply.get("seconds")
-            time.sleep(0.5)
-        raise WorkbenchError(f"no answer to the server restart request within {self.timeout:.0f}s",
-                             "is `workbench train` (the process that owns the server) still running?")
+        return ask_restart(self.train_dir.restart_request, self.train_dir.restart_answer, self.timeout,
+                           "`workbench train`").get("seconds")
 
 
 def serve_restart_requests(train_dir: TrainDir, restart: Callable[[], float | None]) -> bool:
     """Answer a pending restart request of a rank (called in `workbench train`'s wait loop); True when one was served."""
-    request = train_dir.restart_request
-    if not request.exists():
-        return False
-    token = request.read_text()
-    request.unlink(missing_ok=True)
-    reply: dict = {"token": token}
-    try:
-        reply["seconds"] = restart()
-    except Exception as exc:  # the rank reports it and stops with ServerLost
-        reply["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    write_atomic(train_dir.restart_answer, json.dumps(reply))
-    return True
+    return answer_restart(train_dir.restart_request, train_dir.restart_answer, restart)
