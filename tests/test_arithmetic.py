@@ -7,21 +7,25 @@ from workbench.errors import WorkbenchError
 
 
 def test_splits_are_disjoint_complete_and_seeded():
-    train, heldout = arithmetic.splits(seed=0, heldout_size=300)
+    parts = arithmetic.splits(seed=0, heldout_size=300, validation_size=200)
+    train, validation, heldout = parts["train"], parts["validation"], parts["heldout"]
     key = lambda p: (p.a, p.op, p.b)  # noqa: E731
-    assert len(heldout) == 300
-    assert len(train) + len(heldout) == len(arithmetic.all_triples()) == 12195
-    assert not {key(p) for p in train} & {key(p) for p in heldout}
-    again_train, again_heldout = arithmetic.splits(seed=0, heldout_size=300)
-    assert again_heldout == heldout and again_train[:50] == train[:50]
-    _, other = arithmetic.splits(seed=1, heldout_size=300)
+    assert len(heldout) == 300 and len(validation) == 200
+    assert len(train) + len(validation) + len(heldout) == len(arithmetic.all_triples()) == 12195
+    keys = [{key(p) for p in part} for part in (train, validation, heldout)]
+    assert not keys[0] & keys[1] and not keys[0] & keys[2] and not keys[1] & keys[2]
+    again = arithmetic.splits(seed=0, heldout_size=300, validation_size=200)
+    assert again["heldout"] == heldout and again["validation"] == validation and again["train"][:50] == train[:50]
+    # the test split does not move when the validation split is resized (or turned off)
+    assert arithmetic.splits(seed=0, heldout_size=300, validation_size=0)["heldout"] == heldout
+    other = arithmetic.splits(seed=1, heldout_size=300)["heldout"]
     assert [key(p) for p in other] != [key(p) for p in heldout]
 
 
 @pytest.mark.parametrize("seed", [0, 7])
 def test_working_line_is_correct_arithmetic_for_every_problem(seed):
-    train, heldout = arithmetic.splits(seed=seed)
-    for p in train + heldout:
+    parts = arithmetic.splits(seed=seed)
+    for p in parts["train"] + parts["validation"] + parts["heldout"]:
         assert p.op == "+" or p.a >= p.b
         text = p.working
         assert text.endswith(f"<answer>{p.result}</answer>")
@@ -42,7 +46,11 @@ def test_rows_have_the_common_columns_and_all_phrasings():
 
 
 def test_bad_split_and_size():
-    with pytest.raises(WorkbenchError, match="train.*heldout"):
-        arithmetic.rows("validation")
+    with pytest.raises(WorkbenchError, match="train, validation, heldout"):
+        arithmetic.rows("test")
     with pytest.raises(WorkbenchError, match="heldout_size"):
         arithmetic.splits(heldout_size=0)
+    with pytest.raises(WorkbenchError, match="validation_size=12000.*leaves no training"):
+        arithmetic.splits(heldout_size=300, validation_size=12000)
+    with pytest.raises(WorkbenchError, match="validation split is empty.*data.validation_size"):
+        arithmetic.rows("validation", validation_size=0)

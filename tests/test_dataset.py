@@ -420,6 +420,6 @@ def test_eval_rows_are_the_first_num_samples_of_the_eval_split():
     assert rows == recipe_rows(smoke, split=smoke.eval.split)[:20]
     assert all(r["id"].startswith(f"arith-{smoke.eval.split}-") for r in rows)
     too_many = recipe.load("smoke", ["data.heldout_size=50", "eval.num_samples=60"])
-    with pytest.raises(WorkbenchError, match=r"eval.num_samples=60 but the held-out split has 50") as exc:
+    with pytest.raises(WorkbenchError, match=r"eval.num_samples=60 but the heldout split has 50") as exc:
         eval_rows(too_many)
     one_line(exc)

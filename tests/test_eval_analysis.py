@@ -37,8 +37,7 @@ def test_carry_and_borrow_on_known_problems(a, op, b, carry):
 
 def test_carry_agrees_with_the_working_line_for_every_problem():
     """The working line spells a carry as a third term in the tens step (4+3+1, 8-1-3): the flag says the same."""
-    train, heldout = arithmetic.splits(seed=0)
-    for p in train + heldout:
+    for p in [p for part in arithmetic.splits(seed=0).values() for p in part]:
         tens_step = p.working.split(", ")[1].split("=")[0]
         assert (len(re.split(r"[+-]", tens_step)) == 3) is p.needs_carry, p.working
 

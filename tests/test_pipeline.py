@@ -248,7 +248,7 @@ def test_failing_stage_stops_the_run_and_names_its_notebook(workbench_cmd, tmp_p
     assert done.returncode == 2
     (run_dir,) = (tmp_path / "runs").iterdir()
     record = json.loads((run_dir / "run.json").read_text())
-    assert "eval.num_samples=100000 but the held-out split has 300" in record["error"]
+    assert "eval.num_samples=100000 but the heldout split has 300" in record["error"]
     assert record["failed_stage"] == "offline" and record["results"]["env"]["status"] == "passed"
     assert "serving" not in record["results"]  # stopped at the first failure
     executed = run_dir / "notebooks" / "01_offline_generation.ipynb"

@@ -72,6 +72,30 @@ def test_server_dies_with_its_parent(server_recipe, tiny_model_dir, tmp_path):
     assert group_members(pgid) == []
 
 
+def test_a_child_forked_from_a_short_lived_thread_outlives_it():
+    """PR_SET_PDEATHSIG fires when the forking *thread* ends: the pipeline restarts a shared server from a thread
+    that returns at the stage's end. `popen` forks from a thread that lives as long as the process; the control, a
+    plain Popen from the same kind of thread, shows the signal that the restarted server used to get."""
+    from workbench.serving.server import child_setup, popen
+
+    def from_a_thread(spawn) -> subprocess.Popen:
+        box = {}
+        thread = threading.Thread(target=lambda: box.update(proc=spawn(["sleep", "30"], preexec_fn=child_setup())))
+        thread.start()
+        thread.join()
+        return box["proc"]
+
+    ours, control = from_a_thread(popen), from_a_thread(subprocess.Popen)
+    try:
+        assert control.wait(timeout=10) == -signal.SIGTERM  # the thread ended: PDEATHSIG's SIGTERM
+        time.sleep(0.5)
+        assert ours.poll() is None  # still running
+    finally:
+        for proc in (ours, control):
+            proc.kill()
+            proc.wait()
+
+
 def test_server_dies_with_a_parent_killed_during_startup(tiny_model_dir, tmp_path):
     """SIGKILL of the trainer while vLLM is still importing: PR_SET_PDEATHSIG's SIGTERM is lost then (no handler
     yet); the launcher's parent watch ends the whole server group anyway."""

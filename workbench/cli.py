@@ -280,6 +280,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_protocol(args: argparse.Namespace) -> int:
+    from workbench.evaluation import protocol
+
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or any(x < 0 for x in seeds):
+        raise WorkbenchError(f"--seeds {args.seeds!r} is not a list of whole numbers of 0 or more",
+                             "write the training seeds comma-separated, e.g. --seeds 0,1,2")
+    candidates = [protocol.parse_candidate(text) for text in args.candidate or []]
+    protocol.run(args.recipe or "cpu-tiny", candidates, seeds, args.overrides)
+    return 0
+
+
 def cmd_tag(args: argparse.Namespace) -> int:
     from workbench.observe import compare
 
@@ -383,6 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="M1,M2,...",
                    help="curves to overlay: reward, kl, loss, entropy, length, clipped, reward_std, lr, step_time, "
                         "tokens_per_second or any metrics.jsonl key (default: reward,kl,loss,entropy,length,step_time)")
+    p = add("protocol", "choose settings on the validation split, report the test split over seeds",
+            "workbench.evaluation.protocol", cmd_protocol)
+    p.add_argument("--candidate", action="append", metavar="'NAME: k=v ...'",
+                   help="a setting to try against the recipe as it is (repeatable)")
+    p.add_argument("--seeds", default="0,1,2", help="training seeds (trainer.seed), comma-separated; the first "
+                                                     "chooses (default: 0,1,2)")
     p = add("tag", "name a run (and note why) for comparisons", "workbench.observe.compare", cmd_tag, run_dir=True)
     p.add_argument("name", help="a short name, e.g. lr-high: comparisons label the run with it")
     p.add_argument("--note", help="a sentence kept with the tag and shown in comparisons")

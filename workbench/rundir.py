@@ -23,6 +23,7 @@ One layout for every run, whether `workbench run` executed all stages or `workbe
                  analysis.json (base vs trained per problem: fixed, broken, breakdowns by category and length)
         bench/   bench.json  bench.md  bench.png  <size>-<path>/ (a training directory per rollout path)
         lab/     lab.json  lab.md  lab.png (the reward lab: candidate rewards scored, warnings; tasks/rewardlab.py)
+        protocol/ protocol.json  protocol.md  runs/<label>/<run>/  logs/<label>.log (`workbench protocol`)
 
 Each stage's result type saves and loads itself through these paths (offline, serving sweep, smoke checks,
 training summary, evaluation); readers (report, advisor, dashboard, analysis) go through the same object.
@@ -161,6 +162,9 @@ class RunDir:
                              table="comparison.md", figure="comparison.png", analysis="analysis.json")
         self.bench = StageDir(self.path / "bench", json="bench.json", table="bench.md", figure="bench.png")
         self.lab = StageDir(self.path / "lab", json="lab.json", table="lab.md", figure="lab.png")
+        # `workbench protocol`: the choice on validation and the result on test; each training's run under runs/
+        self.protocol = StageDir(self.path / "protocol", json="protocol.json", table="protocol.md", runs="runs",
+                                 logs="logs")
         # the vLLM server `workbench run` shares between its serving, smoke and training stages, and its restart
         # requests (workbench/pipeline.py _SharedServer)
         self.server = StageDir(self.path / "server")

@@ -112,7 +112,8 @@ def category_values(recipe: Recipe, fields: list[str]) -> dict[str, dict[str, An
         try:
             rows = dataset.load_rows(d.name, recipe.eval.split, path=d.path,
                                      fields={**(d.fields or {}), "question": name}, limit=recipe.eval.num_samples,
-                                     seed=d.seed, heldout_size=d.heldout_size)
+                                     seed=d.seed, heldout_size=d.heldout_size,
+                                     validation_size=d.validation_size)
         except WorkbenchError as exc:
             raise WorkbenchError(f"eval.breakdown names {name!r}, which cannot be read from the eval rows: {exc.cause}",
                                  f"name columns that every record of {d.path or d.name} has in eval.breakdown, or "

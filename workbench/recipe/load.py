@@ -270,7 +270,6 @@ DERIVED_TRAINER_KEYS = {
     "reward_weights": "rewards",
     "use_cpu": "devices.platform",
     "output_dir": "monitor.runs_dir (each run gets its own directory)",
-    "seed": "data.seed",
 }
 
 
@@ -297,6 +296,8 @@ def _ranges(recipe: Recipe) -> list[WorkbenchError]:
         _at_least("server.max_restarts", s.max_restarts, 0),
         _at_least("data.max_prompt_length", d.max_prompt_length, 1),
         _at_least("data.heldout_size", d.heldout_size, 0),
+        _at_least("data.validation_size", d.validation_size, 0,
+                  "set data.validation_size to the problems kept for choosing settings, or 0 for none"),
         _at_least("data.train_size", d.train_size, 1, "set data.train_size to 1 or more, or null for every row"),
         _at_least("eval.num_samples", e.num_samples, 1),
         _at_least("eval.repeats", e.repeats, 1, "set eval.repeats to 1 or more (each problem is sampled that often)"),
@@ -404,6 +405,19 @@ def _data(recipe: Recipe) -> list[WorkbenchError]:
         if unknown:
             out.append(WorkbenchError(f"data.fields has unknown keys {unknown}",
                                       f"map only {', '.join(FIELD_KEYS)} to the file's columns"))
+    if d.name == "arithmetic":
+        from workbench.tasks.arithmetic import SPLITS
+
+        if d.split != "train":
+            out.append(WorkbenchError(f"data.split is {d.split!r}: arithmetic trains on its 'train' split only",
+                                      "set data.split=train (validation and heldout are kept out of training)"))
+        if recipe.eval.split not in ("validation", "heldout"):
+            out.append(WorkbenchError(f"eval.split is {recipe.eval.split!r}, not an arithmetic evaluation split",
+                                      f"use validation (for choosing settings) or heldout (the test split); the splits "
+                                      f"are {', '.join(SPLITS)}"))
+        elif recipe.eval.split == "validation" and d.validation_size == 0:
+            out.append(WorkbenchError("eval.split is validation but data.validation_size is 0",
+                                      "set data.validation_size to the problems to keep for choosing settings"))
     return out
 
 

@@ -123,13 +123,15 @@ def weight_sync(recipe: Recipe, platform: str, versions: dict | None = None) -> 
     return method
 
 
-def settings_key(tiny: TinyModelConfig, data_seed: int, heldout_size: int) -> str:
-    """The tiny model's cache key: its settings, the data split it is scored on and the build version."""
+def settings_key(tiny: TinyModelConfig, data_seed: int, heldout_size: int, validation_size: int = 0) -> str:
+    """The tiny model's cache key: its settings, the data splits it is trained and scored on, the build version."""
     settings = asdict(tiny)
     if settings.get("lr_schedule") == "cosine":
         del settings["lr_schedule"]  # the default before the option existed: keeps earlier caches valid
-    payload = json.dumps({"tiny": settings, "data_seed": data_seed, "heldout_size": heldout_size,
-                          "build": TINY_BUILD_VERSION}, sort_keys=True)
+    splits = {"data_seed": data_seed, "heldout_size": heldout_size}
+    if validation_size:  # pre-trained without the validation problems: another model (no key: the one before)
+        splits["validation_size"] = validation_size
+    payload = json.dumps({"tiny": settings, **splits, "build": TINY_BUILD_VERSION}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -137,7 +139,7 @@ def model_dir(recipe: Recipe, root: Path | None = None) -> Path:
     """Where the tiny model for this recipe lives, built or not (under workbench.paths.data_dir())."""
     from workbench import paths
 
-    key = settings_key(recipe.model.tiny, recipe.data.seed, recipe.data.heldout_size)
+    key = settings_key(recipe.model.tiny, recipe.data.seed, recipe.data.heldout_size, recipe.data.validation_size)
     return Path(root or paths.data_dir() / "tiny-model") / key
 
 

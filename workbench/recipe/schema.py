@@ -51,9 +51,11 @@ class DataConfig:
     path: str | None = None  # local .jsonl/.json/.parquet instead of the hub
     fields: dict[str, str] | None = None  # our column -> file column: question, answer, id
     split: str = "train"
-    eval_split: str = "heldout"
-    seed: int = 0
-    heldout_size: int = 300  # arithmetic only: problems kept out of training
+    seed: int = 0  # the data: arithmetic's splits and the tiny model built on them (trainer.seed: the training's)
+    heldout_size: int = 300  # arithmetic only: problems kept out of training, the test split ("heldout")
+    # problems kept out of training for choosing settings (eval.split: validation; `workbench protocol`):
+    # arithmetic draws them, gsm8k takes its train split's last rows
+    validation_size: int = 300
     train_size: int | None = None  # first N training rows; None = all
     system_prompt: str | None = None
     instruction: str | None = None  # appended to each question, e.g. where to put the final answer

@@ -15,7 +15,10 @@ start servers without them.
 
 The command line and environment come from launch.py. The server runs in its own process group with its log in
 the stage's directory. `stop()` ends the whole group; so does the exit of this Python process (atexit) and,
-through PR_SET_PDEATHSIG, its death by a signal. With `server.mode: attach`, nothing is started: an existing server
+through PR_SET_PDEATHSIG, its death by a signal. That signal is sent when the *thread* that forked the child ends,
+not the process, so every server is forked by one thread that lives as long as the process (`popen`): a server
+restarted from a short-lived thread (the pipeline's shared-server loop) would otherwise be terminated the moment
+that thread returned. With `server.mode: attach`, nothing is started: an existing server
 at `server.url` is checked the same way.
 
 A server can be shared (`share()`): `workbench run` starts one for its serving, smoke and training stages instead of
@@ -30,10 +33,13 @@ import atexit
 import ctypes
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import requests
@@ -61,6 +67,35 @@ def child_setup(cores: list[int] | None = None):
             os.sched_setaffinity(0, cores)
 
     return setup
+
+
+class _Spawner:
+    """Forks children from one daemon thread that lives until the process ends (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def popen(self, *args, **kwargs) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="workbench-spawner", daemon=True)
+                self._thread.start()
+        result: Future = Future()
+        self._requests.put((args, kwargs, result))
+        return result.result()
+
+    def _loop(self) -> None:
+        while True:
+            args, kwargs, result = self._requests.get()
+            try:
+                result.set_result(subprocess.Popen(*args, **kwargs))
+            except BaseException as exc:  # raised again in the asking thread
+                result.set_exception(exc)
+
+
+popen = _Spawner().popen  # for every child that is set up with child_setup()
 
 
 class _Indicator:
@@ -172,7 +207,7 @@ class VLLMServer:
         with open(self.log_path, "w") as log:
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.process = popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             # the launcher ends the server with this process (vllm_cpu.py)
                                             env={**launch.environment(self.rr, for_training=self.for_training),
                                                  "WORKBENCH_PARENT_PID": str(os.getpid())},

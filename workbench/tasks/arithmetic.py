@@ -1,9 +1,11 @@
 """The default task: two-digit addition and subtraction, asked in plain words, answered with a working line.
 
 Every problem is a triple (a, op, b) with 10 <= a, b <= 99 and a >= b for subtraction: 12,195 in all. A seeded
-permutation of that finite set puts the first `heldout_size` triples in the held-out split and the rest in train,
-so the two splits can never share a problem, whatever the phrasing. The phrasing is drawn per problem from the
-same seed.
+permutation of that finite set puts the first `heldout_size` triples in the held-out (test) split, the next
+`validation_size` in the validation split and the rest in train, so no two splits can share a problem, whatever
+the phrasing. The phrasing is drawn per problem from the same seed. Train is all that GRPO and the tiny model's
+pre-training ever see; validation is for choosing settings (`workbench protocol`); the held-out split is what a
+result is reported on, once the settings are chosen.
 
 The target spells the digit-by-digit working before the answer, which is what lets a 1M-parameter model learn it:
 
@@ -99,32 +101,44 @@ def all_triples() -> list[tuple[int, str, int]]:
     return triples
 
 
-def splits(seed: int = 0, heldout_size: int = 300) -> tuple[list[Problem], list[Problem]]:
-    """Return (train, heldout) problems; disjoint by construction, identical for the same seed."""
+SPLITS = ("train", "validation", "heldout")
+
+
+def splits(seed: int = 0, heldout_size: int = 300, validation_size: int = 300) -> dict[str, list[Problem]]:
+    """The problems of each split (SPLITS); disjoint by construction, identical for the same arguments. A held-out
+    split of the same seed and size is the same whatever the validation size."""
+    from workbench.errors import WorkbenchError
+
     triples = all_triples()
     if not 0 < heldout_size < len(triples):
-        from workbench.errors import WorkbenchError
-
         raise WorkbenchError(f"heldout_size={heldout_size} is outside 1..{len(triples) - 1}",
                              "choose a held-out size smaller than the 12,195 possible problems")
+    if validation_size < 0 or heldout_size + validation_size >= len(triples):
+        raise WorkbenchError(f"validation_size={validation_size} with heldout_size={heldout_size} leaves no "
+                             f"training problems of the {len(triples)}",
+                             "choose a validation size of 0 or more whose sum with the held-out size is under 12,195")
     rng = random.Random(seed)
     rng.shuffle(triples)
     problems = [Problem(a, op, b, rng.randrange(len(PHRASINGS))) for a, op, b in triples]
-    return problems[heldout_size:], problems[:heldout_size]
+    cut = heldout_size + validation_size
+    return {"train": problems[cut:], "validation": problems[heldout_size:cut], "heldout": problems[:heldout_size]}
 
 
-def rows(split: str, seed: int = 0, heldout_size: int = 300, limit: int | None = None) -> list[dict]:
-    """Rows of one split ('train' or 'heldout'), in the split's seeded order."""
-    if split not in ("train", "heldout"):
-        from workbench.errors import WorkbenchError
+def rows(split: str, seed: int = 0, heldout_size: int = 300, limit: int | None = None,
+         validation_size: int = 300) -> list[dict]:
+    """Rows of one split (SPLITS), in the split's seeded order."""
+    from workbench.errors import WorkbenchError
 
-        raise WorkbenchError(f"unknown arithmetic split {split!r}", "use 'train' or 'heldout'")
-    train, heldout = splits(seed, heldout_size)
-    chosen = train if split == "train" else heldout
+    if split not in SPLITS:
+        raise WorkbenchError(f"unknown arithmetic split {split!r}", f"use one of: {', '.join(SPLITS)}")
+    chosen = splits(seed, heldout_size, validation_size)[split]
+    if not chosen:
+        raise WorkbenchError(f"the arithmetic {split} split is empty (data.validation_size=0)",
+                             "set data.validation_size to the number of problems to keep for choosing settings")
     return [p.row(split) for p in chosen[:limit]]
 
 
 if __name__ == "__main__":
-    for split in ("train", "heldout"):
+    for split in SPLITS:
         for r in rows(split, limit=3):
             print(split, r["prompt"][0]["content"], "->", r["target"])

@@ -47,7 +47,8 @@ def _plain_answer(text: str) -> str:
 DATASETS: dict[str, dict[str, Any]] = {
     "gsm8k": {
         "hub": ("openai/gsm8k", "main"),
-        "splits": {"train": "train", "test": "test", "heldout": "test"},
+        # validation: the last data.validation_size rows of the hub's train split, which training then leaves out
+        "splits": {"train": "train", "validation": "train", "test": "test", "heldout": "test"},
         "fields": {"question": "question", "answer": "answer"},
         "extract": _gsm8k_answer,
     },
@@ -85,13 +86,16 @@ def load_rows(
     system_prompt: str | None = None,
     instruction: str | None = None,
     heldout_size: int = 300,
+    validation_size: int = 300,
 ) -> list[dict]:
     """Rows of one dataset split, in file (or hub) order.
 
     With `path`, the file is the split: `split` is not checked. `fields` maps our columns ("question",
     "answer", optional "id") to the file's columns, over the dataset's defaults. `limit` keeps the first N rows
     in that order (no shuffle; the trainer shuffles). `seed` and `heldout_size` only matter for "arithmetic",
-    whose splits are drawn from them. `instruction` goes on a new line after the question; `system_prompt`
+    whose splits are drawn from them. `validation_size` is the validation split's size: arithmetic draws it, a hub
+    dataset whose validation maps onto its train split (gsm8k) takes that split's last rows and leaves them out
+    of "train". `instruction` goes on a new line after the question; `system_prompt`
     becomes a first, system message.
     """
     if name not in KNOWN:
@@ -99,7 +103,7 @@ def load_rows(
     if limit is not None and limit < 1:
         raise WorkbenchError(f"limit={limit} keeps no rows", "set limit to a positive number, or leave it out")
     if name == "arithmetic":
-        return _arithmetic(split, path, limit, seed, heldout_size, system_prompt, instruction)
+        return _arithmetic(split, path, limit, seed, heldout_size, validation_size, system_prompt, instruction)
 
     spec = DATASETS[name]
     columns = _field_map(name, spec["fields"], fields)
@@ -110,6 +114,7 @@ def load_rows(
         raise WorkbenchError("dataset 'file' needs a path", "set data.path to a local .jsonl, .json or .parquet file")
     else:
         records = list(enumerate(_load_hub(name, split, spec), start=1))
+        records = _carve_validation(name, split, spec, records, validation_size)
         where, source = f"{name} from the hub", name
     # jsonl rows are numbered by line, so that an error points at the line an editor shows.
     unit = "line" if path and Path(path).suffix.lower() == ".jsonl" else "row"
@@ -145,7 +150,8 @@ def recipe_rows(recipe, split: str | None = None, tokenizer=None, limit: int | N
     if limit is None and split == data.split:
         limit = data.train_size
     rows = load_rows(data.name, split, path=data.path, fields=data.fields, limit=limit, seed=data.seed,
-                     system_prompt=data.system_prompt, instruction=data.instruction, heldout_size=data.heldout_size)
+                     system_prompt=data.system_prompt, instruction=data.instruction, heldout_size=data.heldout_size,
+                     validation_size=data.validation_size)
     if tokenizer is not None:
         longest = max_prompt_tokens(rows, tokenizer)
         if longest > data.max_prompt_length:
@@ -160,8 +166,9 @@ def eval_rows(recipe) -> list[dict]:
     """The rows the recipe's eval section scores (eval.split, the first eval.num_samples)."""
     rows = recipe_rows(recipe, split=recipe.eval.split, limit=recipe.eval.num_samples)
     if len(rows) < recipe.eval.num_samples and recipe.data.name == "arithmetic":
-        raise WorkbenchError(f"eval.num_samples={recipe.eval.num_samples} but the held-out split has {len(rows)}",
-                             "raise data.heldout_size or lower eval.num_samples")
+        size = "data.validation_size" if recipe.eval.split == "validation" else "data.heldout_size"
+        raise WorkbenchError(f"eval.num_samples={recipe.eval.num_samples} but the {recipe.eval.split} split has "
+                             f"{len(rows)}", f"raise {size} or lower eval.num_samples")
     return rows
 
 
@@ -191,7 +198,24 @@ def _prompt(question: str, system_prompt: str | None, instruction: str | None) -
     return messages + [{"role": "user", "content": user}]
 
 
-def _arithmetic(split: str, path: str | None, limit: int | None, seed: int, heldout_size: int,
+def _carve_validation(name: str, split: str, spec: dict, records: list, size: int) -> list:
+    """A validation split carved from the end of the hub's train split: its rows, or the train split without them."""
+    if spec["splits"].get("validation") is None or spec["splits"]["validation"] != spec["splits"].get("train"):
+        return records
+    if split == "validation":
+        if size < 1:
+            raise WorkbenchError(f"the {name} validation split is empty (data.validation_size={size})",
+                                 "set data.validation_size to the number of training rows to keep for choosing settings")
+        if size >= len(records):
+            raise WorkbenchError(f"data.validation_size={size} takes all {len(records)} {name} training rows",
+                                 "choose a validation size below the training split's size")
+        return records[-size:]
+    if split == "train" and size > 0:
+        return records[:-size]
+    return records
+
+
+def _arithmetic(split: str, path: str | None, limit: int | None, seed: int, heldout_size: int, validation_size: int,
                 system_prompt: str | None, instruction: str | None) -> list[dict]:
     from workbench.tasks import arithmetic
 
@@ -199,7 +223,7 @@ def _arithmetic(split: str, path: str | None, limit: int | None, seed: int, held
         # Silently ignoring the path would train on something other than what the recipe says.
         raise WorkbenchError("dataset 'arithmetic' is generated and reads no file",
                              "drop data.path, or use name 'file' to read it")
-    rows = arithmetic.rows(split, seed=seed, heldout_size=heldout_size, limit=limit)
+    rows = arithmetic.rows(split, seed=seed, heldout_size=heldout_size, limit=limit, validation_size=validation_size)
     if system_prompt or instruction:
         for row in rows:
             row["prompt"] = _prompt(row["prompt"][-1]["content"], system_prompt, instruction)

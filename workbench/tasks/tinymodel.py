@@ -192,8 +192,10 @@ def ensure(recipe: Recipe, root: Path | None = None, force: bool = False, log=pr
     torch.manual_seed(tiny.seed)
     random.seed(tiny.seed)
     threads = torch.get_num_threads()
-    train_rows = arithmetic.rows("train", seed=recipe.data.seed, heldout_size=recipe.data.heldout_size)
-    heldout_rows = arithmetic.rows("heldout", seed=recipe.data.seed, heldout_size=recipe.data.heldout_size)
+    # pre-trained on the train split only: the validation problems stay as unseen as the held-out ones
+    d = recipe.data
+    train_rows = arithmetic.rows("train", seed=d.seed, heldout_size=d.heldout_size, validation_size=d.validation_size)
+    heldout_rows = arithmetic.rows("heldout", seed=d.seed, heldout_size=d.heldout_size)
     if tiny.eval_size > len(heldout_rows):
         raise WorkbenchError(f"model.tiny.eval_size={tiny.eval_size} exceeds data.heldout_size={len(heldout_rows)}",
                              "lower model.tiny.eval_size or raise data.heldout_size")
@@ -212,6 +214,7 @@ def ensure(recipe: Recipe, root: Path | None = None, force: bool = False, log=pr
         "settings": asdict(tiny),
         "data_seed": recipe.data.seed,
         "heldout_size": recipe.data.heldout_size,
+        "validation_size": recipe.data.validation_size,
         "build_version": BUILD_VERSION,
         "parameters": _count_params(model),
         "final_loss": losses[-1] if losses else None,

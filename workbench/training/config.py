@@ -43,7 +43,7 @@ def trainer_arguments(rr: Resolved, output_dir: str) -> dict[str, Any]:
     recipe, platform = rr.recipe, rr.platform
     args = dict(recipe.trainer)
     args["output_dir"] = output_dir
-    args["seed"] = recipe.data.seed
+    args.setdefault("seed", recipe.data.seed)  # trainer.seed: training seeds over the same data and base model
     args["reward_weights"] = [spec.weight for spec in rewardspec.parse(recipe.rewards)]
     if platform == "cpu":
         args["use_cpu"] = True

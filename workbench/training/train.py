@@ -241,7 +241,7 @@ def prepare_resume(rr: Resolved, train_dir: TrainDir, log=print) -> Path:
 def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, server=None,
                resume_from: Path | None = None) -> None:
     """`accelerate launch` of this node's ranks against the running server; waits, and fails with the log tail."""
-    from workbench.serving.server import child_setup
+    from workbench.serving.server import child_setup, popen
     from workbench.training import launch
 
     # every rank reads the recipe from disk: it must be this one
@@ -257,8 +257,8 @@ def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, s
     if resume_from is not None:
         cmd += ["--resume-from", str(resume_from)]
     log(f"trainer: {rr.trainer_processes} process(es) on this node through accelerate ({config}):\n  {' '.join(cmd)}")
-    proc = subprocess.Popen(cmd, env=launch.rank_environment(rr, server_pid), stdin=subprocess.DEVNULL,
-                            preexec_fn=child_setup())
+    proc = popen(cmd, env=launch.rank_environment(rr, server_pid), stdin=subprocess.DEVNULL,
+                 preexec_fn=child_setup())
     try:
         while True:  # the main rank may ask for a server restart: this process owns the server
             try:
