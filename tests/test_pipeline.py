@@ -60,7 +60,7 @@ def test_pipeline_runs_the_notebooks_into_one_run_directory(pipeline_run):
             assert params.pop("models") == {"base": "base", "trained": str((run_dir / "train" / "final").resolve())}
         assert params == {}, stage
     assert "report: " in done.stdout and str(run_dir / "report.html") in done.stdout
-    assert "held-out accuracy" in done.stdout and "points) on 24 problems" in done.stdout
+    assert "held-out (test) accuracy" in done.stdout and "points) on 24 problems" in done.stdout
 
 
 def test_pipeline_stage_outputs(pipeline_run):
@@ -118,7 +118,7 @@ def test_report_is_self_contained(pipeline_run):
     for section in ("Stages", "Evaluation through the server", "Training", "Step-time breakdown", "Advisor",
                     "Smoke run checks", "Environment and versions", "Recipe (resolved)"):
         assert f">{section}" in page, section
-    assert "held-out accuracy" in page and "points</b>" in page
+    assert "held-out (test) accuracy" in page and "points</b>" in page
     assert page.count("data:image/png;base64,") >= 2  # training curves and the accuracy comparison
     external = re.findall(r"""(?:src|href)\s*=\s*['"]?(?:https?:)?//""", page)
     external += re.findall(r"""url\(\s*['"]?(?:https?:)?//""", page)

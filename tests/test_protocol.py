@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -81,34 +82,42 @@ def test_candidates_parse_with_or_without_a_name():
 
 
 def test_the_headline_is_mean_and_sample_std_of_the_test_gains():
-    p = Protocol("cpu-tiny", [0, 1, 2], [Candidate("recipe")], chosen="recipe",
-                 test=[Outcome("recipe", s, "heldout", "r", 0.5, t) for s, t in ((0, 0.6), (1, 0.65), (2, 0.7))])
-    assert p.to_json()["test_gain_mean"] == pytest.approx(0.15)
+    p = Protocol("cpu-tiny", 0, [1, 2, 3], [Candidate("recipe")], chosen="recipe",
+                 selected=Outcome("recipe", 0, "heldout", "r0", 0.5, 0.9),
+                 test=[Outcome("recipe", s, "heldout", "r", 0.5, t) for s, t in ((1, 0.6), (2, 0.65), (3, 0.7))])
+    assert p.to_json()["test_gain_mean"] == pytest.approx(0.15)  # the picked model (+40) is not in it
     assert p.to_json()["test_gain_std"] == pytest.approx(0.05)
     assert "gain +15.0 ± 5.0 points over 3 seed(s)" in p.headline()
+    assert "not part of the result" in p.markdown()
+    assert Protocol.from_json(json.loads(json.dumps(p.to_json()))) == p  # what --resume reads back
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--candidate", "x: trainer.learning_rat=1e-4"], "candidate 'x': unknown recipe key 'trainer.learning_rat'"),
-    (["--candidate", "x: trainer.seed=3"], "sets trainer.seed"),
-    (["--seeds", "0,0"], "distinct seeds"),
+    (["--candidate", "x: trainer.seed=3"], "candidate 'x' changes trainer.seed"),
+    (["--candidate", "x: data.validation_size=100"], "compared on different problems"),
+    (["--seeds", "1,1"], "distinct seeds"),
     (["--seeds", "a"], "--seeds 'a' is not a list"),
+    (["--choose-seed", "1", "--seeds", "1,2"], "is also a test seed"),
+    (["eval.split=heldout"], "which the protocol sets for each training"),
+    (["eval.num_samples=301"], "eval.num_samples=301 but the validation split has 300"),
+    (["--resume", "nowhere"], "no run directory nowhere"),
 ])
 def test_bad_protocols_fail_before_any_training(extra, message, tmp_path):
-    out = subprocess.run(workbench_command() + ["protocol", "--recipe", "smoke", f"monitor.runs_dir={tmp_path}", *extra],
-                         capture_output=True, text=True, timeout=120)
+    recipe_args = [] if "--resume" in extra else ["--recipe", "smoke", f"monitor.runs_dir={tmp_path}"]
+    out = subprocess.run(workbench_command() + ["protocol", *recipe_args, *extra],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "fix:" in out.stderr and "Traceback" not in out.stderr
     assert list(tmp_path.iterdir()) == []  # no protocol directory, no training
 
 
 def test_protocol_chooses_on_validation_and_reports_on_test(tiny_model_dir, tmp_path):
-    """Two settings (the recipe and a candidate), smoke-sized trainings, for real: each trained once and scored on
-    the validation split, the chosen one's model then scored on the test split. One seed keeps it to three
-    trainings' worth of CI time; a further seed is one more training of the same kind (`train` in protocol.run),
-    and the statistics over seeds are checked above."""
+    """Two settings (the recipe and a candidate), smoke-sized trainings, for real: each trained with the choice's
+    seed and scored on the validation split; the picked model scored on the test split (shown, not counted); the
+    chosen setting trained afresh with a test seed and scored on the test split (the result)."""
     port = free_port()
-    cmd = workbench_command() + ["protocol", "--recipe", "smoke", "--seeds", "3",
+    cmd = workbench_command() + ["protocol", "--recipe", "smoke", "--choose-seed", "3", "--seeds", "4",
                                  "--candidate", "lr-high: trainer.learning_rate=1e-3",
                                  f"server.port={port}", "eval.num_samples=12", f"monitor.runs_dir={tmp_path}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -121,21 +130,72 @@ def test_protocol_chooses_on_validation_and_reports_on_test(tiny_model_dir, tmp_
     assert all(o["split"] == "validation" and o["seed"] == 3 for o in result["validation"])
     best = max(result["validation"], key=lambda o: o["trained"])
     assert result["chosen"] == best["candidate"]
+    picked = result["selected"]  # the chosen validation run's model, scored again on test: no new training
+    assert (picked["seed"], picked["split"], picked["run"]) == (3, "heldout", best["run"])
     [test] = result["test"]
-    assert (test["seed"], test["split"], test["candidate"]) == (3, "heldout", result["chosen"])
-    # the test result is the chosen validation run's model, scored again, not a new training
-    assert test["run"] == best["run"] and test["train_seconds"] == best["train_seconds"]
+    assert (test["seed"], test["split"], test["candidate"]) == (4, "heldout", result["chosen"])
+    assert test["run"] not in {o["run"] for o in result["validation"]}  # trained afresh
+    assert test["base"] == picked["base"]  # one base model, one test split
     assert result["test_gain_mean"] == pytest.approx(test["trained"] - test["base"])
 
     # how each training was seeded and what each evaluation scored, read from the runs themselves
-    for o in result["validation"]:
-        assert recipe.load(str(RunDir(o["run"]).recipe)).trainer.get("seed") == 3
+    for o in result["validation"] + result["test"]:
+        assert recipe.load(str(RunDir(o["run"]).recipe)).trainer.get("seed") == o["seed"]
     samples = sorted(stage.runs.rglob("samples.jsonl"))
-    assert len(samples) == 3  # two validation runs, one test evaluation
+    assert len(samples) == 4  # two validation runs, the picked model on test, the test run
     for path in samples:
         split = "validation" if "-validation" in str(path.relative_to(stage.runs)).split("/")[0] else "heldout"
         ids = {json.loads(line)["id"] for line in path.read_text().splitlines()}
         assert len(ids) == 12 and all(i.startswith(f"arith-{split}-") for i in ids), (path, sorted(ids)[:3])
+        assert {m["split"] for m in json.loads((path.parent / "summary.json").read_text())} == {split}
+    # `workbench eval` (the picked model) leaves the problem-by-problem analysis as the pipeline's evaluation does
+    assert sorted(p.parent for p in stage.runs.rglob("analysis.json")) == sorted(p.parent for p in samples)
     table = stage.table.read_text()
     assert "Settings chosen on the validation split" in table and result["headline"] in table
     assert result["headline"] in out.stdout
+
+
+def test_resume_keeps_what_was_recorded_and_redoes_the_interrupted(monkeypatch, tmp_path):
+    """The orchestration over many hours: a protocol killed during a training continues with --resume, keeps the
+    trainings it recorded, sets the interrupted one aside and runs it again, and takes more test seeds. The
+    trainings here are `workbench` calls answered with their result files (the real ones are above)."""
+    from workbench.evaluation import protocol
+    from workbench.evaluation.evaluate import Summary
+
+    calls = []
+    accuracy = {"recipe": 0.6, "lr-high": 0.7}
+
+    def fake_workbench(args, log):
+        calls.append(args)
+        opts = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("--"))
+        runs_dir = Path(opts["monitor.runs_dir"])
+        if len(calls) == 3:  # the third call dies half-way, as a killed process would
+            (runs_dir / "half-written").mkdir(parents=True)
+            raise KeyboardInterrupt
+        run = RunDir(runs_dir / f"run-{len(calls)}")
+        run.eval.make()
+        name = "lr-high" if "trainer.learning_rate=1e-3" in args else "recipe"
+        summaries = [Summary("base", "", 12, 1, accuracy_mean=0.5, split=opts["eval.split"]),
+                     Summary("trained", "", 12, 1, accuracy_mean=accuracy[name], split=opts["eval.split"])]
+        run.eval.summary.write_text(json.dumps([s.__dict__ for s in summaries]))
+        if args[0] == "run":
+            run.train.make()
+            run.train.summary.write_text(json.dumps({"train_seconds": 10.0}))
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("ok")
+
+    monkeypatch.setattr(protocol, "_workbench", fake_workbench)
+    lr_high = protocol.Candidate("lr-high", ["trainer.learning_rate=1e-3"])
+    with pytest.raises(KeyboardInterrupt):  # killed during the picked model's test evaluation
+        protocol.run("smoke", [lr_high], 0, [1], [f"monitor.runs_dir={tmp_path}"], log=lambda *_: None)
+    [run_dir] = list(tmp_path.iterdir())
+    kept = json.loads(RunDir(run_dir).protocol.json.read_text())
+    assert [o["candidate"] for o in kept["validation"]] == ["recipe", "lr-high"] and kept["selected"] is None
+
+    result, _ = protocol.run("", [], 0, [2], resume=run_dir, log=lambda *_: None)
+    assert [a[0] for a in calls] == ["run", "run", "eval", "eval", "run", "run"]  # nothing recorded is redone
+    assert result.chosen == "lr-high" and result.selected.seed == 0
+    assert [o.seed for o in result.test] == [1, 2] and result.seeds == [1, 2]
+    assert result.to_json()["test_gain_mean"] == pytest.approx(0.2)
+    aside = [p.name for p in RunDir(run_dir).protocol.runs.iterdir() if "incomplete" in p.name]
+    assert aside == ["c1-seed0-heldout.incomplete"]

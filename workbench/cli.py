@@ -224,7 +224,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if not sep:
             label, path = path or label, label
         models[label] = path
-    evaluate.evaluate(rr, models or None, stage=RunDir.create(rr.recipe, "eval").eval)
+    stage = RunDir.create(rr.recipe, "eval").eval
+    result = evaluate.evaluate(rr, models or None, stage=stage)
+    if len(result.summaries) > 1:  # what notebook 05 shows: fixed, broken and the breakdowns (eval/analysis.json)
+        from workbench.evaluation import analysis
+
+        try:
+            print(analysis.analyse(result, rr, stage=stage).markdown(k=2))
+            print(f"analysis: {stage.analysis}")
+        except Exception as exc:  # the evaluation itself is saved and sound: its breakdown must not fail it
+            print(f"warning: no problem-by-problem analysis ({type(exc).__name__}: {exc}); the report computes it "
+                  "again from the samples", file=sys.stderr)
     return 0
 
 
@@ -280,18 +290,33 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_protocol(args: argparse.Namespace) -> int:
-    from workbench.evaluation import protocol
-
+def _seed_list(text: str, flag: str) -> list[int]:
     try:
-        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        seeds = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         seeds = []
     if not seeds or any(x < 0 for x in seeds):
-        raise WorkbenchError(f"--seeds {args.seeds!r} is not a list of whole numbers of 0 or more",
-                             "write the training seeds comma-separated, e.g. --seeds 0,1,2")
+        raise WorkbenchError(f"{flag} {text!r} is not a list of whole numbers of 0 or more",
+                             f"write training seeds comma-separated, e.g. {flag} 1,2,3")
+    return seeds
+
+
+def cmd_protocol(args: argparse.Namespace) -> int:
+    from workbench.evaluation import protocol
+
+    seeds = _seed_list(args.seeds, "--seeds") if args.seeds is not None else None
+    choose = _seed_list(args.choose_seed, "--choose-seed") if args.choose_seed is not None else None
+    if choose is not None and len(choose) != 1:
+        raise WorkbenchError(f"--choose-seed {args.choose_seed!r} names {len(choose)} seeds", "give one, e.g. --choose-seed 0")
     candidates = [protocol.parse_candidate(text) for text in args.candidate or []]
-    protocol.run(args.recipe or "cpu-tiny", candidates, seeds, args.overrides)
+    if args.resume:
+        if candidates or args.overrides or choose is not None or args.recipe:
+            raise WorkbenchError("--resume continues a protocol with its own recipe, candidates and choice seed",
+                                 "pass only --resume RUN (and --seeds to add test seeds)")
+        protocol.run("", [], 0, seeds or [], resume=args.resume)
+    else:
+        protocol.run(args.recipe or "cpu-tiny", candidates, choose[0] if choose else 0, seeds or [1, 2, 3],
+                     args.overrides)
     return 0
 
 
@@ -399,11 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="curves to overlay: reward, kl, loss, entropy, length, clipped, reward_std, lr, step_time, "
                         "tokens_per_second or any metrics.jsonl key (default: reward,kl,loss,entropy,length,step_time)")
     p = add("protocol", "choose settings on the validation split, report the test split over seeds",
-            "workbench.evaluation.protocol", cmd_protocol)
+            "workbench.evaluation.protocol", cmd_protocol, recipe=None)
     p.add_argument("--candidate", action="append", metavar="'NAME: k=v ...'",
                    help="a setting to try against the recipe as it is (repeatable)")
-    p.add_argument("--seeds", default="0,1,2", help="training seeds (trainer.seed), comma-separated; the first "
-                                                     "chooses (default: 0,1,2)")
+    p.add_argument("--choose-seed", help="the training seed (trainer.seed) of the choice on validation (default: 0)")
+    p.add_argument("--seeds", help="the test seeds, comma-separated, none of them the choice's (default: 1,2,3)")
+    p.add_argument("--resume", metavar="RUN", help="continue this protocol directory (its recorded trainings kept); "
+                                                   "with --seeds, add test seeds")
     p = add("tag", "name a run (and note why) for comparisons", "workbench.observe.compare", cmd_tag, run_dir=True)
     p.add_argument("name", help="a short name, e.g. lr-high: comparisons label the run with it")
     p.add_argument("--note", help="a sentence kept with the tag and shown in comparisons")

@@ -357,5 +357,5 @@ def _print_outcome(run: RunDir, log) -> None:
     pair = evaluation.gain() if evaluation else None
     if pair:
         base, trained = pair
-        log(f"held-out accuracy {100 * base.accuracy_mean:.1f}% -> {100 * trained.accuracy_mean:.1f}% "
+        log(f"{trained.split_label} accuracy {100 * base.accuracy_mean:.1f}% -> {100 * trained.accuracy_mean:.1f}% "
             f"({100 * (trained.accuracy_mean - base.accuracy_mean):+.1f} points) on {trained.n} problems")

@@ -6,8 +6,8 @@
     problems = found.frame()                     # one row per problem (pandas), for breakdowns of your own:
     analysis.breakdown(problems, ["operation", "carry"])
 
-Notebook 05 runs it after the comparison and the report shows its counts and breakdown table (computed from
-samples.jsonl and recipe.yaml when the eval directory has no analysis.json, as after `workbench eval`).
+Notebook 05 and `workbench eval` run it after the comparison and the report shows its counts and breakdown table
+(computed from samples.jsonl and recipe.yaml when the eval directory has no analysis.json: an older run).
 
 Two models are compared: the ones labelled "base" and "trained" (the pipeline's labels), else the first two
 evaluated (the note says so). Each problem falls in one of four outcomes: fixed (wrong → right), broken

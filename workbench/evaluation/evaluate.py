@@ -98,6 +98,16 @@ class Summary:
     seconds: float = 0.0
     tokens_per_second: float = 0.0
     requests_per_second: float = 0.0
+    split: str = "heldout"  # the rows' split (eval.split): validation while choosing settings, heldout to report
+
+    @property
+    def split_label(self) -> str:
+        return split_label(self.split)
+
+
+def split_label(split: str) -> str:
+    """How results on a split are named in logs, reports and figures."""
+    return {"heldout": "held-out (test)", "test": "test", "validation": "validation"}.get(split, split)
 
 
 def _run_async(coro):
@@ -194,7 +204,7 @@ def evaluate_server(rr: Resolved, label: str, rows: list[dict], url: str | None 
     if recipe.eval.endpoint == "completions":
         rows = _with_prompt_text(rr, rows, url)
     all_samples: list[Sample] = []
-    summary = Summary(model=label, path=model_path, n=len(rows), repeats=repeats)
+    summary = Summary(model=label, path=model_path, n=len(rows), repeats=repeats, split=recipe.eval.split)
     started = time.perf_counter()
     for repeat in range(repeats):
         samples = [Sample(label, repeat, r["id"], r["prompt"][-1]["content"], r["answer"]) for r in rows]
@@ -318,7 +328,7 @@ def comparison_figure(summaries: list[Summary], path: Path) -> Path:
         ax.text(bar.get_x() + bar.get_width() / 2, mean + 1, f"{mean:.1f}%", ha="center", va="bottom")
     ax.set_ylabel("exact-match accuracy (%)")
     ax.set_ylim(0, min(100, max(means + [10]) * 1.25 + 5))
-    ax.set_title(f"held-out accuracy, {summaries[0].n} problems × {summaries[0].repeats}")
+    ax.set_title(f"{summaries[0].split_label} accuracy, {summaries[0].n} problems × {summaries[0].repeats}")
     fig.tight_layout()
     return figures.save_png(fig, path, dpi=110)
 

@@ -162,7 +162,7 @@ def _evaluation(root: Path) -> list[dict]:
     result = Evaluation.load(RunDir(root).eval)
     if result is None:
         return []
-    return [{"model": s.model, "n": s.n, "repeats": s.repeats, "accuracy": s.accuracy_mean,
+    return [{"model": s.model, "split": s.split, "n": s.n, "repeats": s.repeats, "accuracy": s.accuracy_mean,
              "accuracy_std": s.accuracy_std, "pass_at_1": s.pass_at_1, "mean_output_tokens": s.mean_output_tokens,
              "truncation_rate": s.truncation_rate} for s in result.summaries]
 
@@ -242,7 +242,7 @@ def _evaluation_frame(runs: list[Run]) -> pd.DataFrame:
         for entry in run.evaluation:
             gain = entry["accuracy"] - base if base is not None and entry["model"] != "base" else math.nan
             rows.append({"run": run.label, **entry, "gain": gain})
-    columns = ["run", "model", "n", "repeats", "accuracy", "accuracy_std", "gain", "pass_at_1",
+    columns = ["run", "model", "split", "n", "repeats", "accuracy", "accuracy_std", "gain", "pass_at_1",
                "mean_output_tokens", "truncation_rate"]
     return pd.DataFrame(rows, columns=columns)
 
@@ -428,8 +428,9 @@ def markdown(runs: Runs, figure: str | None = None) -> str:
         lines.append("The recipes are the same (apart from " + ", ".join(f"`{k}`" for k in IGNORED_KEYS) + ").\n")
     lines.append(markdown_table(keys, "key") if not keys.empty else "")
     lines.append(markdown_table(_outcome_cells(outcomes(runs)).T, "outcome"))
-    lines.append("Reward: mean over the first and the last fifth of the logged steps. Accuracy: held-out exact match "
-                 "of the base and the trained model (eval/summary.json); gain in points.\n")
+    lines.append("Reward: mean over the first and the last fifth of the logged steps. Accuracy: exact match of the "
+                 "base and the trained model on the run's evaluation split (eval/summary.json, the split column "
+                 "below: held-out is the test split, validation the one settings are chosen on); gain in points.\n")
     labels = {key: label for key, label in figures.PHASES}
     steps = runs.step_times.rename(columns={"time/step": "step", **labels})
     lines += ["## Step time (median seconds per step, by phase)", "", markdown_table(steps, "run")]
@@ -438,7 +439,8 @@ def markdown(runs: Runs, figure: str | None = None) -> str:
         for column in ("accuracy", "accuracy_std", "pass_at_1", "truncation_rate"):
             evaluation[column] = [("–" if pd.isna(v) else f"{100 * v:.1f}%") for v in runs.evaluation[column]]
         evaluation["gain"] = [("–" if pd.isna(v) else f"{100 * v:+.1f} pts") for v in runs.evaluation["gain"]]
-        lines += ["## Evaluation (held-out, through the server)", "", markdown_table(evaluation, "run")]
+        lines += ["## Evaluation (through the server, on each run's evaluation split)", "",
+                  markdown_table(evaluation, "run")]
     if figure:
         lines += ["## Curves", "", f"![curves]({figure})", ""]
     return "\n".join(lines)

@@ -89,7 +89,7 @@ def _outcome(run: dict | None, evaluation: Evaluation | None) -> str:
     if pair:
         base, trained = pair
         gain = 100 * (trained.accuracy_mean - base.accuracy_mean)
-        parts.append(f"held-out accuracy <b>{100 * base.accuracy_mean:.1f}% → {100 * trained.accuracy_mean:.1f}%"
+        parts.append(f"{_e(trained.split_label)} accuracy <b>{100 * base.accuracy_mean:.1f}% → {100 * trained.accuracy_mean:.1f}%"
                      f"</b> (<b>{gain:+.1f} points</b>) on {trained.n} problems × {trained.repeats}")
     return f"<p class='headline'>{' · '.join(parts) or 'no stage results recorded'}</p>"
 

@@ -382,7 +382,7 @@ def _rollout(recipe: Recipe) -> list[WorkbenchError]:
 
 def _data(recipe: Recipe) -> list[WorkbenchError]:
     """The data section names a dataset that exists, with a file where one is needed and known field names."""
-    from workbench.tasks.dataset import FIELD_KEYS, KNOWN
+    from workbench.tasks.dataset import DATASETS, FIELD_KEYS, KNOWN
 
     d, out = recipe.data, []
     if d.name not in KNOWN:
@@ -405,6 +405,13 @@ def _data(recipe: Recipe) -> list[WorkbenchError]:
         if unknown:
             out.append(WorkbenchError(f"data.fields has unknown keys {unknown}",
                                       f"map only {', '.join(FIELD_KEYS)} to the file's columns"))
+    carved = d.name in DATASETS and not d.path and "validation" in (DATASETS[d.name]["splits"] or {})
+    if carved and d.split == "validation":
+        out.append(WorkbenchError(f"data.split is 'validation': the {d.name} validation split is for choosing "
+                                  "settings, never trained on", "set data.split=train"))
+    if carved and recipe.eval.split == "validation" and d.validation_size == 0:
+        out.append(WorkbenchError("eval.split is validation but data.validation_size is 0",
+                                  "set data.validation_size to the rows to keep for choosing settings"))
     if d.name == "arithmetic":
         from workbench.tasks.arithmetic import SPLITS
 

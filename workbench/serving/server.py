@@ -84,7 +84,12 @@ class _Spawner:
                 self._thread.start()
         result: Future = Future()
         self._requests.put((args, kwargs, result))
-        return result.result()
+        try:
+            return result.result()
+        except BaseException:
+            # a Ctrl-C while the child was being forked: it would belong to nobody, so it ends when it arrives
+            result.add_done_callback(_end_unowned)
+            raise
 
     def _loop(self) -> None:
         while True:
@@ -93,6 +98,17 @@ class _Spawner:
                 result.set_result(subprocess.Popen(*args, **kwargs))
             except BaseException as exc:  # raised again in the asking thread
                 result.set_exception(exc)
+
+
+def _end_unowned(result: Future) -> None:
+    if result.cancelled() or result.exception() is not None:
+        return
+    proc = result.result()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # child_setup made it a group leader: its children go with it
+    except OSError:
+        proc.kill()
+    proc.wait()
 
 
 popen = _Spawner().popen  # for every child that is set up with child_setup()

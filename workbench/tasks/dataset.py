@@ -202,17 +202,17 @@ def _carve_validation(name: str, split: str, spec: dict, records: list, size: in
     """A validation split carved from the end of the hub's train split: its rows, or the train split without them."""
     if spec["splits"].get("validation") is None or spec["splits"]["validation"] != spec["splits"].get("train"):
         return records
+    if split not in ("train", "validation"):
+        return records
+    if split == "validation" and size < 1:
+        raise WorkbenchError(f"the {name} validation split is empty (data.validation_size={size})",
+                             "set data.validation_size to the number of training rows to keep for choosing settings")
+    if size >= len(records):
+        raise WorkbenchError(f"data.validation_size={size} takes all {len(records)} {name} training rows",
+                             "choose a validation size below the training split's size")
     if split == "validation":
-        if size < 1:
-            raise WorkbenchError(f"the {name} validation split is empty (data.validation_size={size})",
-                                 "set data.validation_size to the number of training rows to keep for choosing settings")
-        if size >= len(records):
-            raise WorkbenchError(f"data.validation_size={size} takes all {len(records)} {name} training rows",
-                                 "choose a validation size below the training split's size")
         return records[-size:]
-    if split == "train" and size > 0:
-        return records[:-size]
-    return records
+    return records[:-size] if size > 0 else records
 
 
 def _arithmetic(split: str, path: str | None, limit: int | None, seed: int, heldout_size: int, validation_size: int,

@@ -195,7 +195,7 @@ def ensure(recipe: Recipe, root: Path | None = None, force: bool = False, log=pr
     # pre-trained on the train split only: the validation problems stay as unseen as the held-out ones
     d = recipe.data
     train_rows = arithmetic.rows("train", seed=d.seed, heldout_size=d.heldout_size, validation_size=d.validation_size)
-    heldout_rows = arithmetic.rows("heldout", seed=d.seed, heldout_size=d.heldout_size)
+    heldout_rows = arithmetic.rows("heldout", seed=d.seed, heldout_size=d.heldout_size, validation_size=d.validation_size)
     if tiny.eval_size > len(heldout_rows):
         raise WorkbenchError(f"model.tiny.eval_size={tiny.eval_size} exceeds data.heldout_size={len(heldout_rows)}",
                              "lower model.tiny.eval_size or raise data.heldout_size")

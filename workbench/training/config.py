@@ -3,8 +3,8 @@
     from workbench.training import config
     args = config.grpo_config(rr, output_dir=str(run.train.checkpoints))   # a real trl.GRPOConfig
 
-The server URL, the reward weights, the seed, CPU-ness and vLLM's server mode come from their own sections
-(recipe.load refuses them in `trainer:`), so each knob lives in one place. Building the real GRPOConfig applies
+The server URL, the reward weights, CPU-ness and vLLM's server mode come from their own sections (recipe.load
+refuses them in `trainer:`), so each knob lives in one place; the seed is `trainer.seed`, data.seed when unset. Building the real GRPOConfig applies
 TRL's own cross-field rules; its errors come back as one line.
 """
 from __future__ import annotations
