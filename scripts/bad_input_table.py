@@ -26,7 +26,7 @@ def main() -> None:
 
         def one(case):
             args = expand(case[0], tmp, 8999)
-            if args[0] in ("train", "eval", "run") and "--resume" not in args:
+            if args[0] in ("train", "eval", "run", "protocol") and "--resume" not in args:
                 args = args + [f"monitor.runs_dir={tmp / 'runs'}"]
             out = subprocess.run([sys.executable, "-m", "workbench", *args], capture_output=True, text=True,
                                  env=env, cwd=tmp, timeout=300)

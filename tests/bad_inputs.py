@@ -70,6 +70,10 @@ CASES: list[tuple[list[str], str]] = [
     (["compare", "{tmp}/model-dir"], "is not a run directory"),
     (["compare", "{tmp}/model-dir", "--metrics", ","], "--metrics ',' names no metric"),
     (["tag", "{tmp}/no-run", "lr-high"], "no run directory"),
+    (TRAIN + ["eval.split=train"], "eval.split is 'train', not an arithmetic evaluation split"),
+    (TRAIN + ["data.split=validation"], "arithmetic trains on its 'train' split only"),
+    (["protocol", "--choose-seed", "1", "--seeds", "1,2"], "the choice's seed 1 is also a test seed"),
+    (["protocol", "--candidate", "more data: data.validation_size=100"], "candidate 'more data' changes data.validation_size"),
 ]
 
 

@@ -33,7 +33,7 @@ def outcomes(tmp_path_factory):
         args, _ = case
         args = expand(args, tmp, port)
         # every command writes its runs under `runs` (an override where the command takes one)
-        if args[0] in ("train", "eval", "run") and "--resume" not in args:
+        if args[0] in ("train", "eval", "run", "protocol") and "--resume" not in args:
             args = args + [f"monitor.runs_dir={runs}"]
         out = subprocess.run([*_cmd(), *args], capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
         return args, out

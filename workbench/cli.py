@@ -200,15 +200,21 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _concurrencies(text: str, flag: str = "--sweep") -> list[int]:
+def _whole_numbers(text: str, flag: str, least: int, what: str, example: str) -> list[int]:
+    """A comma-separated option of whole numbers, each `least` or more; else one error line with the fix."""
     try:
         values = [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
         values = []
-    if not values or any(v < 1 for v in values):
-        raise WorkbenchError(f"{flag} {text!r} is not a list of positive whole numbers",
-                             f"write it as comma-separated requests in flight, e.g. {flag} 1,4,16")
+    if not values or any(v < least for v in values):
+        kind = "positive whole numbers" if least == 1 else f"whole numbers of {least} or more"
+        raise WorkbenchError(f"{flag} {text!r} is not a list of {kind}",
+                             f"write {what}, e.g. {flag} {example}")
     return values
+
+
+def _concurrencies(text: str, flag: str = "--sweep") -> list[int]:
+    return _whole_numbers(text, flag, 1, "it as comma-separated requests in flight", "1,4,16")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -291,14 +297,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _seed_list(text: str, flag: str) -> list[int]:
-    try:
-        seeds = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        seeds = []
-    if not seeds or any(x < 0 for x in seeds):
-        raise WorkbenchError(f"{flag} {text!r} is not a list of whole numbers of 0 or more",
-                             f"write training seeds comma-separated, e.g. {flag} 1,2,3")
-    return seeds
+    return _whole_numbers(text, flag, 0, "the training seeds comma-separated", "1,2,3")
 
 
 def cmd_protocol(args: argparse.Namespace) -> int:
