@@ -90,6 +90,28 @@ def prepare_engine_environment(rr: Resolved, cores: list[int] | None = None) -> 
             os.environ["OMP_NUM_THREADS"] = str(len(cores))
 
 
+def keep_live_weights() -> None:
+    """For TRL's colocate mode on the CPU: the in-process engine computes its linear layers from the layers' own
+    weights. vLLM's CPU build otherwise packs each weight for oneDNN (or zentorch, or AMX kernels) after loading and
+    drops the original: where the CPU supports it (AVX-512 Xeons; not the AMD EPYC this was first run on), TRL's
+    per-step `load_weights` then fails ('Parameter' object has no attribute 'weight_loader'), and an engine that
+    kept a packed copy would sample from stale weights. Plain `torch.nn.functional.linear` reads the live weight
+    that each sync writes. Call before the engine is built."""
+    import torch
+    from vllm.model_executor.layers import utils
+
+    original = getattr(utils.dispatch_cpu_unquantized_gemm, "__wrapped__", utils.dispatch_cpu_unquantized_gemm)
+
+    def live(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if layer.weight.ndim != 2:  # conv / expert weights: their own kernels, not reloaded per step here
+            return original(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    live.__wrapped__ = original
+    # linear.py imports it from this module at call time, so the module attribute is what it gets
+    utils.dispatch_cpu_unquantized_gemm = live
+
+
 def engine(rr: Resolved, model_path: str | None = None, log=print):
     """vLLM's `LLM` in this process with the served engine's settings: (llm, seconds it took to start)."""
     from workbench.tasks.tinymodel import ensure_model

@@ -119,9 +119,11 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
     try:
         with _pinned_to_trainer_cores(rr, local_rank):
             if rr.recipe.server.mode == "colocate":  # TRL builds a vLLM engine in this process, on its cores
-                from workbench.serving.offline import prepare_engine_environment
+                from workbench.serving.offline import keep_live_weights, prepare_engine_environment
 
                 prepare_engine_environment(rr, cores=sorted(os.sched_getaffinity(0)))
+                if rr.platform == "cpu":
+                    keep_live_weights()
             trainer = build_trainer(rr, model_path, train_dir.checkpoints, weight_sync, train_dir=train_dir,
                                     recovery=recovery, log=log)
             accelerator = trainer.accelerator
