@@ -238,6 +238,11 @@ def _outcome(candidate: str, seed: int, split: str, run: RunDir, log: Path,
                    summary["trained"]["accuracy_mean"], train.get("train_seconds"))
 
 
+def _label(index: int, seed: int, split: str) -> str:
+    """The name of one training's (or evaluation's) directory and log under RUN/protocol/."""
+    return f"c{index}-seed{seed}-{split}"
+
+
 def _fresh(directory: Path) -> None:
     """A training that did not finish (a crash, a kill) leaves its directory: kept aside, started again."""
     if directory.exists():
@@ -279,7 +284,7 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
         write_atomic(stage.table, result.markdown())
 
     def train(c: Candidate, index: int, seed: int, split: str) -> Outcome:
-        label = f"c{index}-seed{seed}-{split}"
+        label = _label(index, seed, split)
         _fresh(stage.runs / label)
         log(f"[{time.time() - started:5.0f}s] {c.name!r}, seed {seed}: train and evaluate on {split} "
             f"(log: {stage.logs / f'{label}.log'})")
@@ -300,7 +305,7 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
     log(f"chosen on validation: {chosen.name!r} ({best.base:.1%} → {best.trained:.1%})")
 
     if result.selected is None:  # the picked model itself on test: information, not the result
-        label = f"c{index}-seed{result.choose_seed}-{TEST}"
+        label = _label(index, result.choose_seed, TEST)
         _fresh(stage.runs / label)
         log(f"[{time.time() - started:5.0f}s] the picked model ({chosen.name!r}, seed {result.choose_seed}): "
             f"evaluate on {TEST}")
