@@ -6,6 +6,13 @@
 Parsed with prometheus_client's text parser. Names differ between vLLM releases (`kv_cache_usage_perc` was
 `gpu_cache_usage_perc`); each field lists the names it accepts, and values are summed over labels (engines,
 finish reasons). A page with none of the request gauges is not a vLLM metrics page: that raises, never zeros.
+
+Generation apart from probes: a rollout asks for many tokens, a log-prob probe (the weight-parity canary, TRL's
+sequence scoring) for one. vLLM's per-request histograms of the requested token budget tell them apart exactly:
+`vllm:request_max_num_generation_tokens` counts each request once (a prompt with its n samples), and
+`vllm:request_params_max_tokens` counts each sample; what falls in their first bucket (le="1.0") asked for one token.
+So `generation_prompts` and `generation_sequences` are what the server generated for rollouts (or an evaluation),
+`probe_requests` what it scored, whatever else shares the server.
 """
 from __future__ import annotations
 
@@ -27,12 +34,19 @@ COUNTERS = {
     "generation_tokens": ("vllm:generation_tokens", "vllm:generation_tokens_total"),
     "requests_finished": ("vllm:request_success", "vllm:request_success_total"),
 }
+# field -> the histogram of requested tokens it is read from: one observation per request (a prompt and its n
+# samples) or per sample. The field counts those that asked for more than one token; `probe_requests` the requests
+# that asked for one.
+HISTOGRAMS = {
+    "generation_prompts": "vllm:request_max_num_generation_tokens",
+    "generation_sequences": "vllm:request_params_max_tokens",
+}
 RATES = {"prompt_tokens": "prompt_tokens_per_s", "generation_tokens": "generation_tokens_per_s",
          "requests_finished": "requests_per_s", "preemptions": "preemptions_per_s"}
 
 
-_WANTED = {name for names in {**GAUGES, **COUNTERS}.values() for name in names}
-_WANTED_SAMPLES = _WANTED | {f"{name}_total" for name in _WANTED}
+_WANTED = {name for names in {**GAUGES, **COUNTERS}.values() for name in names} | set(HISTOGRAMS.values())
+_WANTED_SAMPLES = _WANTED | {f"{name}{suffix}" for name in _WANTED for suffix in ("_total", "_bucket", "_count")}
 
 
 def _wanted_lines(text: str) -> str:
@@ -58,10 +72,23 @@ def parse(text: str) -> dict[str, float]:
             total = sum(s.value for s in family.samples
                         if not s.name.endswith("_created") and not s.name.endswith("_bucket"))
             values[field] = values.get(field, 0.0) + total
+        for field, name in HISTOGRAMS.items():
+            if family.name == name:
+                total, one = _count_and_first_bucket(family)
+                values[field] = values.get(field, 0.0) + total - one
+                if field == "generation_prompts":
+                    values["probe_requests"] = values.get("probe_requests", 0.0) + one
     if "running" not in values:
         raise WorkbenchError("the /metrics page has no vllm:num_requests_running gauge",
                              "point the scraper at a vLLM server's /metrics (is this a vLLM server?)")
     return values
+
+
+def _count_and_first_bucket(family) -> tuple[float, float]:
+    """A histogram's sample count and how many fell at or below 1 (summed over engines and models)."""
+    count = sum(s.value for s in family.samples if s.name.endswith("_count"))
+    one = sum(s.value for s in family.samples if s.name.endswith("_bucket") and float(s.labels.get("le", "inf")) <= 1.0)
+    return count, one
 
 
 class Scraper:

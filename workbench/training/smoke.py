@@ -4,10 +4,11 @@
     result = train.train(smoke_rr, run.smoke)
     checks = smoke.verify(run.smoke, base_model)          # -> SmokeChecks; .save(run.smoke), .require()
 
-Checks: the loss is finite at every step; the server served the step's completions (its own request counter, not
-the trainer's word); the server samples from the trainer's weights (the weight-parity canary after the pushes,
-not a count of them); the trained weights differ from the base
-(the optimizer moved them); the final model was saved in Hugging Face format and the metrics file is complete.
+Checks: the loss is finite at every step; the server generated exactly the prompts and completions the steps asked
+for (its own per-request histograms, which keep the canary's one-token probes apart: not the trainer's word); the
+server samples from the trainer's weights (the weight-parity canary after the pushes, not a count of them); the
+trained weights differ from the base (the optimizer moved them); the final model was saved in Hugging Face format
+and the metrics file is complete.
 """
 from __future__ import annotations
 
@@ -78,6 +79,46 @@ def variant(recipe, overrides: dict):
     return load(recipe, overrides)
 
 
+def rollouts_asked(trainer: dict, processes: int, steps: int) -> tuple[int, int]:
+    """(prompts, completions) TRL's loop asks the server for in `steps` optimizer steps, from the GRPOConfig keys
+    (TRL's defaults where the recipe leaves them): one generation batch of per_device_train_batch_size × processes ×
+    steps_per_generation completions every steps_per_generation × num_iterations micro-batches, num_generations
+    completions a prompt."""
+    per_device = int(trainer.get("per_device_train_batch_size") or 8)
+    accumulation = int(trainer.get("gradient_accumulation_steps") or 1)
+    if trainer.get("generation_batch_size"):
+        per_generation = int(trainer["generation_batch_size"]) // (per_device * processes)
+    else:
+        per_generation = int(trainer.get("steps_per_generation") or accumulation)
+    reuse = int(trainer.get("num_iterations") or 1)
+    generations = math.ceil(steps * accumulation / (per_generation * reuse))
+    completions = generations * per_device * processes * per_generation
+    return completions // int(trainer.get("num_generations") or 8), completions
+
+
+def _served_check(train_dir: TrainDir, summary: dict, steps: int) -> Check:
+    """The server's own count of what it generated during this training (the snapshot at its start taken away: a
+    shared server served other stages before), against what the steps asked for."""
+    name = "server served the rollouts"
+    if not train_dir.server_metrics.exists():
+        return Check(name, False, f"no {train_dir.server_metrics.name}: the server's counters were not read")
+    end = scraper.parse(train_dir.server_metrics.read_text())
+    start = scraper.parse(train_dir.server_metrics_start.read_text()) if train_dir.server_metrics_start.exists() else {}
+    prompts, sequences = (end.get(k, 0.0) - start.get(k, 0.0) for k in ("generation_prompts", "generation_sequences"))
+    import yaml
+
+    trainer = (yaml.safe_load(train_dir.recipe.read_text()) or {}).get("trainer") or {} if train_dir.recipe.exists() else {}
+    generated_steps = steps - int(summary.get("resumed_from") or 0)
+    want_prompts, want_sequences = rollouts_asked(trainer, int(summary.get("processes") or 1), generated_steps)
+    counted = (f"{prompts:.0f} prompts, {sequences:.0f} completions generated (and "
+               f"{end.get('probe_requests', 0.0) - start.get('probe_requests', 0.0):.0f} one-token probes) for "
+               f"{generated_steps} steps that asked for {want_prompts} and {want_sequences}")
+    if summary.get("restarts"):  # a restarted server counts from zero again: only the last server's share is here
+        return Check(name, 0 < sequences <= want_sequences,
+                     f"{counted}; the server restarted {summary['restarts']} time(s), so only the last one's count")
+    return Check(name, steps > 0 and (prompts, sequences) == (want_prompts, want_sequences), counted)
+
+
 def verify(train_dir: TrainDir, base_model: str | Path) -> SmokeChecks:
     rows = [r for r in read_jsonl(train_dir.metrics) if "loss" in r]
     summary = json.loads(train_dir.summary.read_text()) if train_dir.summary.exists() else {}
@@ -87,18 +128,7 @@ def verify(train_dir: TrainDir, base_model: str | Path) -> SmokeChecks:
     losses = [r["loss"] for r in rows]
     checks.append(Check("loss finite", bool(losses) and all(math.isfinite(x) for x in losses),
                         f"{len(losses)} logged losses: {[round(x, 5) for x in losses]}"))
-    import yaml
-
-    resolved = yaml.safe_load(train_dir.recipe.read_text()) if train_dir.recipe.exists() else {}
-    completions = steps * int(((resolved or {}).get("trainer") or {}).get("per_device_train_batch_size") or 1)
-    served = 0.0
-    if train_dir.server_metrics.exists():
-        served = scraper.parse(train_dir.server_metrics.read_text()).get("requests_finished", 0.0)
-        if train_dir.server_metrics_start.exists():  # a shared server: only what it served for this training counts
-            served -= scraper.parse(train_dir.server_metrics_start.read_text()).get("requests_finished", 0.0)
-    checks.append(Check("server served the rollouts", served >= completions and steps > 0,
-                        f"vllm:request_success_total = {served:.0f} after {steps} steps"
-                        f" (≥ {completions} completions expected)"))
+    checks.append(_served_check(train_dir, summary, steps))
     # not the number of pushes but their effect: the weight-parity canary scored a probe set on the server and in the
     # trainer after the pushes (the smoke variant checks every step) and found the same log-probs
     pushes = sum(int(r.get("sync/count", 0)) for r in rows)

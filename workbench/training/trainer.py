@@ -189,6 +189,10 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         generation batch, steps_per_generation = gradient_accumulation_steps being required for async)."""
         if self._next_batches is None or not self.model.training:
             return
+        # this batch is for step global_step + 1: after the last step there is nothing to generate for (the server
+        # would sample a batch nobody uses, and its counters would disagree with the steps: training/smoke.py)
+        if self.state.max_steps > 0 and self.state.global_step + 2 > self.state.max_steps:
+            return
         rows = self._next_batches[1][0][0]
         prompt_ids, _, _ = self._tokenize_prompts(copy.deepcopy([row["prompt"] for row in rows]))
         self.ahead.submit(prompt_ids, self.num_generations, self.state.global_step)
