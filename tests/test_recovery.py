@@ -128,3 +128,39 @@ def test_resume_needs_a_complete_checkpoint(tmp_path):
     assert [r["step"] for r in read_jsonl(train_dir.metrics)] == [1, 2] and not train_dir.stop_flag.exists()
     (resume,) = read_jsonl(train_dir.events, normalised=False)
     assert resume["kind"] == "resume" and resume["step"] == 2 and resume["reached"] == 3
+
+
+def test_a_hung_server_is_noticed_after_one_request_timeout():
+    """server.request_timeout_s bounds a hung server: a generation the server took and never answers fails after
+    that long, not after TRL's five read retries with back-off (about 6 x the timeout + 62 s); then the recovery
+    restarts the server (tests/test_faults.py, a SIGSTOPped vLLM). Here an HTTP endpoint that takes the request and
+    never answers."""
+    import http.server
+
+    from workbench.serving import sync
+
+    class Hung(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # what TRL's client reads when it is built
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"data": [{"id": "tiny-policy"}]}).encode())
+
+        def do_POST(self):
+            time.sleep(20)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hung)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = sync.SyncingVLLMClient(base_url=f"http://127.0.0.1:{httpd.server_address[1]}",
+                                        weight_sync=sync.NoSync(), request_timeout=1.0)
+        started = time.time()
+        with pytest.raises(requests.ConnectionError, match="Read timed out"):
+            client.generate_once(prompts=[[1, 2, 3]], n=2, max_tokens=4)
+        assert time.time() - started < 3
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

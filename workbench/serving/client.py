@@ -70,10 +70,12 @@ def verify(rr: Resolved, url: str | None = None) -> dict:
 
 
 def sequence_logprobs(rr: Resolved, token_ids: list[int], url: str | None = None) -> list[float]:
-    """The server's log-probability of each token of `token_ids` after the first (teacher forcing, temperature 1)."""
+    """The server's log-probability of each token of `token_ids` after the first (teacher forcing, temperature 1).
+    Unanswered after server.request_timeout_s, the server counts as hung (the canary asks after every push)."""
     body = {"model": rr.recipe.server.served_model_name, "prompt": [token_ids], "max_tokens": 1, "temperature": 1.0,
             "prompt_logprobs": 0}
-    response = requests.post(f"{url or rr.server_url}/v1/completions", json=body, headers=rr.headers, timeout=60)
+    response = requests.post(f"{url or rr.server_url}/v1/completions", json=body, headers=rr.headers,
+                             timeout=rr.recipe.server.request_timeout_s)
     if response.status_code != 200:
         raise WorkbenchError(f"prompt_logprobs request failed with HTTP {response.status_code}: {response.text[:200]}",
                              "check the server log")

@@ -506,6 +506,20 @@ class SyncingVLLMClient(VLLMClient):
         if request_timeout:
             # TRL's requests carry no timeout: a hung server would hang the run forever. A call's own timeout wins.
             self.session.request = functools.partial(self.session.request, timeout=request_timeout)
+            # TRL's session retries a read that timed out five times with back-off (about 6 x the timeout + 62 s):
+            # a hung server would be noticed an hour after server.request_timeout_s. A timed-out generation is not
+            # sent again (the server may still be working on it); the recovery restarts a hung server instead.
+            self._bound_retries()
+
+    def _bound_retries(self) -> None:
+        from requests.adapters import HTTPAdapter
+        from urllib3.util.retry import Retry
+
+        pool = self.session.get_adapter(self.base_url)._pool_maxsize
+        retry = Retry(total=3, connect=3, read=0, status=3, status_forcelist=[500, 502, 503], backoff_factor=1,
+                      allowed_methods=["POST", "GET"])
+        for prefix in ("http://", "https://"):
+            self.session.mount(prefix, HTTPAdapter(max_retries=retry, pool_maxsize=pool))
 
     def _recovering(self, what: str, call):
         """`call()`; when it fails because the server died or hung, let `recovery` restart the server and
