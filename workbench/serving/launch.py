@@ -105,17 +105,29 @@ def environment(rr: Resolved, for_training: bool = False) -> dict[str, str]:
 # ----------------------------------------------------------------------------------------------------------------
 # Checks before launch
 
-def _who_listens(port: int) -> str:
+def listening_pid(port: int) -> int | None:
+    """The process listening on `port` on this machine, when it can be seen (same user, or root)."""
     try:
         import psutil
 
         for conn in psutil.net_connections(kind="inet"):
             if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
-                proc = psutil.Process(conn.pid)
-                return f" by pid {conn.pid} ({' '.join(proc.cmdline()[:4])[:120]})"
-    except Exception:  # permissions or a process that just ended: the port number alone still helps
+                return conn.pid
+    except Exception:  # permissions or a process that just ended
         pass
-    return ""
+    return None
+
+
+def _who_listens(port: int) -> str:
+    pid = listening_pid(port)
+    if pid is None:
+        return ""
+    try:
+        import psutil
+
+        return f" by pid {pid} ({' '.join(psutil.Process(pid).cmdline()[:4])[:120]})"
+    except Exception:  # a process that just ended: the pid alone still helps
+        return f" by pid {pid}"
 
 
 def check_port_free(host: str, port: int) -> None:

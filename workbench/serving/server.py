@@ -211,6 +211,7 @@ class VLLMServer:
         launch.check_extra_args(self.rr)
         launch.check_exposure(self.rr, for_training=self.for_training)
         launch.check_port_free(s.host, s.port)
+        shm.remove(shm.orphaned())  # what killed servers left in /dev/shm (a killed trainer's, see shm.py)
         if self.rr.platform == "cpu":
             # a restart runs inside the training, pinned to the trainer's cores: the first start checked them
             if not restarting:
@@ -286,9 +287,16 @@ class VLLMServer:
 
     @property
     def pid(self) -> int | None:
-        """The server's process (its group leader), also when adopted: what the device sampler watches."""
+        """The server's process (its group leader), also when adopted or attached on this machine (the process
+        listening on server.url's port): what the device sampler watches."""
         if self.adopted is not None:
             return self.adopted.get("pid")
+        if self.process is None and self.recipe.server.mode == "attach" and self.model_entry is not None:
+            from urllib.parse import urlsplit
+
+            where = urlsplit(self.url)
+            if where.port and launch.is_loopback(where.hostname or ""):
+                return launch.listening_pid(where.port)
         return self.process.pid if self.process else None
 
     def restart(self) -> float | None:
@@ -350,7 +358,7 @@ class VLLMServer:
         except subprocess.TimeoutExpired:
             pass
         if not _group_alive(pgid):  # what a clean shutdown unlinks itself, a killed group leaves behind
-            shm.remove(files)
+            shm.remove(files | shm.orphaned())
 
     @property
     def pgid(self) -> int | None:
