@@ -116,75 +116,50 @@ class _StderrTo:
         os.close(self.saved)
 
 
-SHARED_STAGES = ("serving", "smoke", "train")
+# the evaluation loads each model it scores into the shared server (evaluation/evaluate.py), so it shares it too
+SHARED_STAGES = ("serving", "smoke", "train", "eval")
 
 
 class _SharedServer:
-    """One vLLM server for a run's serving, smoke and training stages instead of one per stage (each start is 20-60 s
-    of imports and engine set-up). The stages adopt it (workbench/serving/server.py: WORKBENCH_SHARED_SERVER, which
-    their kernels and the training's process inherit); a stage that needs a restart asks this process, which
-    answers while the stage runs. Started before the first of those stages (the model exists by then), stopped
-    after the last, before the evaluation serves its own models; without it (a failed start) every stage starts
-    its own server as before."""
+    """One vLLM server for a run's serving, smoke, training and evaluation stages instead of one per stage (and
+    per evaluated model; serving/shared.py): started before the first of those stages (the model exists by then),
+    stopped after the last; without it (a failed start) every stage starts its own server as before."""
 
     def __init__(self, rr: Resolved, run: RunDir, stages: list[str], log):
+        from workbench.serving.shared import SharedServer
+
         self.rr, self.run, self.log = rr, run, log
         self.stages = [s for s in stages if s in SHARED_STAGES]
         self.wanted = rr.recipe.server.mode == "managed" and len(self.stages) >= 2
-        self.server = None
+        self.shared = SharedServer(run.server.path, log)
         self.record: dict = {}
 
     def open(self) -> None:
-        if not self.wanted or self.server is not None:
+        if not self.wanted:
             return
-        from workbench.serving.server import SHARED_ENV, VLLMServer
         from workbench.tasks.tinymodel import ensure_model
 
         self.wanted = False  # one attempt
         try:
-            srv = VLLMServer(self.rr, ensure_model(self.rr, log=self.log), self.run.server.make().path,
-                             quiet=True, for_training=True).start()
+            srv = self.shared.open(self.rr, ensure_model(self.rr, log=self.log))
         except Exception as exc:  # each stage then starts its own and reports the failure in its notebook
             self.log(f"   (no shared server: {str(exc).splitlines()[0][:200]}; each stage starts its own)")
             return
-        self.server = srv
-        os.environ[SHARED_ENV] = json.dumps(srv.share(self.run.server.path))
         self.record = {"url": srv.url, "startup_seconds": round(srv.startup_seconds or 0, 1), "stages": self.stages,
                        "log": str(srv.log_path.relative_to(self.run.path))}
-        self.log(f"shared vLLM server for {', '.join(self.stages)}: {srv.url}, up in {srv.startup_seconds:.0f}s "
-                 f"(log: {srv.log_path})")
+        self.log(f"   shared by {', '.join(self.stages)}")
 
     @contextlib.contextmanager
     def answering(self):
-        """While a stage runs: answer its restart requests (a thread, every half second); a restarted server has a
-        new process, which the next stage's processes learn from the environment."""
-        import threading
-
-        from workbench.serving.server import SHARED_ENV, serve_shared_requests
-
-        done = threading.Event()
-
-        def loop() -> None:
-            while not done.wait(0.5):
-                if self.server is not None and serve_shared_requests(self.server, self.run.server.path):
-                    self.record["restarts"] = self.record.get("restarts", 0) + 1
-                    os.environ[SHARED_ENV] = json.dumps(self.server.share(self.run.server.path))
-
-        thread = threading.Thread(target=loop, name="shared-server", daemon=True)
-        thread.start()
         try:
-            yield
+            with self.shared.answering():
+                yield
         finally:
-            done.set()
-            thread.join(timeout=5)
+            if self.shared.restarts:
+                self.record["restarts"] = self.shared.restarts
 
     def close(self) -> None:
-        from workbench.serving.server import SHARED_ENV
-
-        os.environ.pop(SHARED_ENV, None)
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        self.shared.close()
 
 
 class _Heartbeat:
@@ -311,7 +286,7 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir
                         log(f"   (HTML export failed: {exc})")
             log(f"   {stage}: {result['status']} in {result['seconds']:.0f}s")
             if shared.stages and stage == shared.stages[-1]:
-                shared.close()  # before the evaluation serves its models on the same port
+                shared.close()
             if result["status"] == "failed":
                 write_atomic(run.record, json.dumps(record, indent=2))
                 report_path = report.build(run)

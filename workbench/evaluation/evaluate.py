@@ -11,8 +11,15 @@
 For each model: serve it (or attach), check before any request that the served name is right and that the longest
 prompt plus eval.max_tokens fits the server's max_model_len, send the eval split with bounded concurrency from an
 async OpenAI client (chat or completions endpoint; temperature, top_p, seed, max tokens and stop strings from the
-recipe's eval section; transient errors retried a bounded number of times), score, and repeat eval.repeats times. With several models, the next model's server starts on the trainer's devices
-(idle during evaluation) while the current one is scored.
+recipe's eval section; transient errors retried a bounded number of times), score, and repeat eval.repeats times.
+
+Several models that are checkpoints of one model (the base and what training made of it, a protocol's candidates:
+the same architecture, tokenizer and generation defaults, other weights) share one server: after the first is
+scored, the next one's weights are loaded into it the way a training pushes its weights (serving/sync.py's reload:
+vLLM's `reload_weights`, then a prefix-cache reset), and the weight-parity probes prove the server now answers as
+that model before a request is scored (a gap above the canary's warning level stops the evaluation). One server
+start instead of one per model. Other models each get their own server, the next one starting on the trainer's
+devices (idle during evaluation) while the current one is scored.
 Per-sample records go to samples.jsonl, per-model summaries (accuracy mean ± std over repetitions, pass@1, mean
 output length, truncation rate, throughput) to summary.json, a comparison table to comparison.md and a figure to
 comparison.png. The equivalent lm-evaluation-harness command is printed for a cross-check.
@@ -333,10 +340,104 @@ def comparison_figure(summaries: list[Summary], path: Path) -> Path:
     return figures.save_png(fig, path, dpi=110)
 
 
+# config.json keys a checkpoint may change without changing what the server must be (written by whoever saved it)
+NOT_ARCHITECTURE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
+
+
+def _config(path: str, name: str) -> dict | None:
+    file = Path(path) / name
+    if not file.is_file():
+        return None
+    return {k: v for k, v in json.loads(file.read_text()).items() if k not in NOT_ARCHITECTURE}
+
+
+def weights_apart(first: str, other: str) -> str | None:
+    """None when `other` is `first` with other weights (a checkpoint of it, what a training saves): the same
+    architecture (config.json), generation defaults and tokenizer (its vocabulary, special tokens, chat template and
+    how it encodes a chat prompt; the files may be written differently). Else what differs."""
+    for name in ("config.json", "generation_config.json"):
+        if _config(first, name) != _config(other, name):
+            return f"{name} differs"
+    from transformers import AutoTokenizer
+
+    a, b = AutoTokenizer.from_pretrained(first), AutoTokenizer.from_pretrained(other)
+    if a.get_vocab() != b.get_vocab() or a.all_special_tokens != b.all_special_tokens:
+        return "the tokenizers' vocabularies differ"
+    if a.chat_template != b.chat_template:
+        return "the chat templates differ"
+    chat = [{"role": "user", "content": "What is 12 + 34?"}]
+    if a.apply_chat_template(chat, add_generation_prompt=True) != b.apply_chat_template(chat, add_generation_prompt=True):
+        return "the tokenizers encode a chat prompt differently"
+    return None
+
+
+def _one_server(rr: Resolved, paths: list[str], log) -> bool:
+    """Whether these models are scored on one server, loaded in turn: checkpoints of one model, on a server whose
+    weight-update endpoints stay on this machine (or that the recipe lets take remote updates). Always when
+    `workbench run` shares a server of this recipe with its stages: it holds whatever the training left in it, so
+    even a single model is loaded into it before it is scored."""
+    from workbench.serving import launch
+    from workbench.serving.server import shared_server
+
+    s = rr.recipe.server
+    shared = (shared_server() or {}).get("command") == launch.command(rr, str(paths[0]))
+    if not shared and (len(paths) < 2 or not (launch.is_loopback(s.host) or s.allow_remote_weight_updates)):
+        return False
+    for path in paths[1:]:
+        why = weights_apart(paths[0], path)
+        if why and shared:
+            raise WorkbenchError(f"{path} is not a checkpoint of {paths[0]}, which the shared server serves ({why})",
+                                 "evaluate it apart, with `workbench eval`")
+        if why:
+            log(f"{path} is not a checkpoint of {paths[0]} ({why}): each model gets a server of its own")
+            return False
+    return True
+
+
+def load_weights(rr: Resolved, url: str, path: str) -> tuple[float, float]:
+    """Load the model at `path` into the server at `url` (serving/sync.py's reload, as a training pushes its weights;
+    the server must have its weight-update endpoints) and prove it: the canary's probe sequences scored by the
+    server and by the model itself. Returns (seconds, the probes' mean gap in nats a token); a gap above the
+    canary's warning level raises."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workbench.serving import sync
+    from workbench.training.canary import Canary, probe_sequences, thresholds
+
+    started = time.perf_counter()
+    dtype = rr.recipe.server.dtype
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
+    vc = sync.SyncingVLLMClient(base_url=url, weight_sync=sync.ReloadSync(aliases=sync.tied_aliases(model)),
+                                headers=rr.headers)
+    vc.init_communicator("cpu")
+    try:
+        metadata = [(n, str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in model.named_parameters()]
+        vc.update_named_params(metadata, iter(model.named_parameters()))
+        vc.reset_prefix_cache()
+    finally:
+        vc.close_communicator()
+    seconds = time.perf_counter() - started
+    warn, stop = thresholds(rr)
+    canary = Canary(None, probe_sequences(rr, AutoTokenizer.from_pretrained(path)), 1, warn, stop)
+    mine = canary.trainer_logprobs(model)
+    served = [client.sequence_logprobs(rr, ids, url=url) for ids in canary.sequences]
+    gaps = [abs(a - b) for xs, ys in zip(mine, served) for a, b in zip(xs, ys)]
+    gap = sum(gaps) / max(1, len(gaps))
+    if gap > warn:
+        raise WorkbenchError(f"after loading {path} into the evaluation's server, its log-probs differ from the "
+                             f"model's by {gap:.3g} nats/token (above {warn:g}): it does not serve that model",
+                             "evaluate that model on a server of its own: give it a different tokenizer or config, "
+                             "or report the reload failure with the server log")
+    return seconds, gap
+
+
 def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir | None = None,
-             quiet: bool = False, log=print) -> Evaluation:
+             quiet: bool = False, log=print, server=None) -> Evaluation:
     """Evaluate each labelled model directory (serving it in turn), or the attached server; save the result into
-    `stage` (a run's eval directory) when given."""
+    `stage` (a run's eval directory) when given. `server`: a running server of this recipe with its weight-update
+    endpoints (a shared one, serving/shared.py) to load every model into instead of starting one; the models must
+    be checkpoints of the model it serves."""
     from workbench.tasks.tinymodel import ensure_model
 
     recipe = rr.recipe
@@ -357,15 +458,28 @@ def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir
         if missing:  # before the first server starts, not after the first model was scored
             raise WorkbenchError(f"no model directory at {', '.join(missing)} (no config.json)",
                                  "pass --model LABEL=DIR with a Hugging Face model directory, e.g. RUN/train/final")
-        items = [(label, ensure_model(rr, log=log) if path in ("tiny", "base") else path)
+        items = [(label, str(ensure_model(rr, log=log)) if path in ("tiny", "base") else path)
                  for label, path in models.items()]
-        lanes = _lanes(rr, len(items))
-        if len(lanes) > 1:
-            log(f"{len(items)} models: the next model's server starts on the trainer's devices "
-                f"({', '.join(map(str, lanes[1].server.devices))}, port {lanes[1].recipe.server.port}) while the "
-                "current one starts or is scored")
+        if server is not None:
+            for label, path in items:
+                why = weights_apart(str(server.model_path), path)
+                if why:
+                    raise WorkbenchError(f"{label}={path} is not a checkpoint of {server.model_path}, which the "
+                                         f"running server serves ({why})", "evaluate it on a server of its own")
+            log(f"{len(items)} model(s) loaded in turn into the running server at {server.url}")
+            servers = _loaded_in_turn(rr, items, log_dir, quiet, log, running=server)
+        elif _one_server(rr, [path for _, path in items], log):
+            log(f"{len(items)} checkpoints of one model: one server, each model's weights loaded in turn")
+            servers = _loaded_in_turn(rr, items, log_dir, quiet, log)
+        else:
+            lanes = _lanes(rr, len(items))
+            if len(lanes) > 1:
+                log(f"{len(items)} models: the next model's server starts on the trainer's devices "
+                    f"({', '.join(map(str, lanes[1].server.devices))}, port {lanes[1].recipe.server.port}) while "
+                    "the current one starts or is scored")
+            servers = _servers(items, lanes, log_dir, quiet)
         # closing(): an exception in the loop (kept alive by a notebook's traceback) must still stop the servers
-        with contextlib.closing(_servers(items, lanes, log_dir, quiet)) as servers:
+        with contextlib.closing(servers):
             for label, path, srv in servers:
                 info = preflight(rr, rows, srv.url)
                 log(f"{label}: serving {path} ({info['longest_prompt_tokens']} + {recipe.eval.max_tokens} tokens "
@@ -401,6 +515,32 @@ def _lanes(rr: Resolved, models: int) -> list[Resolved]:
         return [rr]
     other = load(r, {"server.port": port, "devices.server": trainer[:len(server)], "devices.trainer": server})
     return [rr, rr.with_recipe(other)]
+
+
+def _loaded_in_turn(rr: Resolved, items: list[tuple[str, str]], log_dir: Path | None, quiet: bool, log,
+                    running=None):
+    """Yield (label, path, server) for each model from one server: started with the first model, the others loaded
+    into it (load_weights) when their turn comes; or one someone else owns (`running`: a protocol's shared server;
+    or the one `workbench run` shares with its stages, which the start adopts), into which every model is loaded
+    (it holds whatever a training left in it). The weight-update endpoints are on (for_training): on
+    loopback, or where the recipe allows remote weight updates (_one_server). A server started here is stopped
+    however the caller ends."""
+    from workbench.serving.server import VLLMServer
+
+    srv = running or VLLMServer(rr, items[0][1], log_dir, quiet=quiet, for_training=True, name=items[0][0])
+    try:
+        if running is None:
+            srv.start()  # adopts the server `workbench run` shares with its stages, when it announces this one
+        fresh = running is None and srv.adopted is None  # a server started here holds the first model
+        for i, (label, path) in enumerate(items):
+            if i or not fresh:
+                seconds, gap = load_weights(rr, srv.url, path)
+                log(f"{label}: loaded into the server in {seconds:.1f}s; it answers as the model "
+                    f"({gap:.1e} nats/token apart)")
+            yield label, path, srv
+    finally:
+        if running is None:
+            srv.stop()
 
 
 def _servers(items: list[tuple[str, str]], lanes: list[Resolved], log_dir: Path | None, quiet: bool):

@@ -15,12 +15,19 @@
    (the gap between the two is the choice's optimism), which is why the choice's seed may not be a test seed.
 
 Seeds are `trainer.seed`: the data, its splits and the base model (data.seed) stay the same, so the spread is the
-training's. Each training is one `workbench run --stages train,eval` in its own process (one after the other, so
-their timings do not compete for cores), under RUN/protocol/runs/<label>/; every candidate's recipe and evaluation
-rows are checked before the first training starts, and a candidate may not change the data or the evaluation
-(that would compare settings on different problems). Output: RUN/protocol/protocol.json, written after every
-training (what `--resume` continues from), and protocol.md (the tables), printed at the end; each training's
-run directory keeps its report, and `workbench compare` reads them side by side.
+training's. Each training is one `workbench train` in its own process (one after the other, so their timings do not
+compete for cores), under RUN/protocol/runs/<label>/. Every model is scored once per split: one evaluation of the
+base and all the split's trained models together, after their trainings, in this process (the base's score is the
+same number for every training of the split). The trainings and the evaluations share one server (serving/shared.py:
+each training pushes its weights before its first rollout, the evaluation loads each model before scoring it and
+checks the server answers as that model); a candidate that changes the server's flags gets a server of its own. Each
+training's run directory receives its own base-vs-trained evaluation, analysis and report, so `workbench compare`
+and `workbench report` read them as any run.
+
+Every candidate's recipe and evaluation rows are checked before the first training starts, and a candidate may not
+change the data or the evaluation (that would compare settings on different problems). Output:
+RUN/protocol/protocol.json, written after every training and evaluation (what `--resume` continues from: nothing
+recorded or finished is done again), and protocol.md (the tables), printed at the end.
 """
 from __future__ import annotations
 
@@ -66,12 +73,27 @@ class Outcome:
 
 
 @dataclass
+class Training:
+    """One finished training: scored on `split` in that split's evaluation (`label` names it there)."""
+
+    label: str
+    candidate: str
+    seed: int
+    split: str
+    run: str
+    train_seconds: float | None = None
+
+
+@dataclass
 class Protocol:
     recipe: str
     choose_seed: int
     seeds: list[int]
     candidates: list[Candidate]
     common: list[str] = field(default_factory=list)
+    trainings: list[Training] = field(default_factory=list)
+    base: dict[str, float] = field(default_factory=dict)  # split -> the base model's accuracy, scored once
+    base_evaluation: dict[str, str] = field(default_factory=dict)  # split -> the evaluation that scored the base
     validation: list[Outcome] = field(default_factory=list)
     chosen: str | None = None
     selected: Outcome | None = None  # the model the choice picked, scored on test: shown, kept out of the result
@@ -126,9 +148,14 @@ class Protocol:
         outcome = lambda o: Outcome(**o) if o else None  # noqa: E731
         return cls(data["recipe"], data["choose_seed"], list(data["seeds"]),
                    [Candidate(**c) for c in data["candidates"]], list(data.get("common") or []),
+                   [Training(**t) for t in data.get("trainings") or []], dict(data.get("base") or {}),
+                   dict(data.get("base_evaluation") or {}),
                    [Outcome(**o) for o in data.get("validation") or []], data.get("chosen"),
                    outcome(data.get("selected")), [Outcome(**o) for o in data.get("test") or []],
                    data.get("seconds") or 0.0)
+
+    def training(self, label: str) -> Training | None:
+        return next((t for t in self.trainings if t.label == label), None)
 
 
 def parse_candidate(text: str) -> Candidate:
@@ -216,26 +243,47 @@ def _workbench(args: list[str], log: Path) -> None:
                              "fix what the log says, then continue with `workbench protocol --resume RUN`")
 
 
-def _only_run(directory: Path) -> RunDir:
+def _only_run(directory: Path) -> RunDir | None:
     runs = sorted(p for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []
-    if len(runs) != 1:
-        raise WorkbenchError(f"expected one run directory in {directory}, found {len(runs)}",
-                             "give the protocol a fresh output directory")
-    return RunDir(runs[0])
+    return RunDir(runs[0]) if len(runs) == 1 else None
 
 
-def _outcome(candidate: str, seed: int, split: str, run: RunDir, log: Path,
-             trained_from: RunDir | None = None) -> Outcome:
+def _finished(directory: Path) -> RunDir | None:
+    """The training in `directory` when it ran to its end (its summary and final model are there): a protocol
+    killed after a training and before recording it keeps it."""
+    run = _only_run(directory)
+    if run is None or not run.train.summary.exists() or not (run.train.final / "model.safetensors").exists():
+        return None
+    return run
+
+
+def _evaluate(rr, models: dict[str, str], stage, server, log):
+    """The split's one evaluation (evaluation/evaluate.py): every model scored once, loaded in turn into `server`
+    when the protocol shares one."""
+    from workbench.evaluation import evaluate
+
+    return evaluate.evaluate(rr, models, stage=stage, quiet=True, log=log, server=server)
+
+
+def _split_out(evaluation, base_samples: list, base_summary, label: str, run: RunDir, rr) -> None:
+    """One trained model's part of a split's evaluation, written into its own run as a `workbench run` evaluation
+    leaves it (base and trained, samples, table, figure, problem-by-problem analysis), and the run's report."""
+    from dataclasses import replace
+
+    from workbench.evaluation import analysis
+    from workbench.evaluation.evaluate import Evaluation
+    from workbench.observe import report
+
+    trained = evaluation.by_model()[label]
+    own = Evaluation([replace(base_summary, model="base"), replace(trained, model="trained")],
+                     [replace(s, model="base") for s in base_samples]
+                     + [replace(s, model="trained") for s in evaluation.samples if s.model == label])
+    own.save(run.eval)
     try:
-        summary = {s["model"]: s for s in json.loads(run.eval.summary.read_text())}
-    except (OSError, ValueError):
-        summary = {}
-    if "base" not in summary or "trained" not in summary:
-        raise WorkbenchError(f"{run.eval.summary} holds no base and trained results", f"see {log}")
-    source = trained_from or run
-    train = json.loads(source.train.summary.read_text()) if source.train.summary.exists() else {}
-    return Outcome(candidate, seed, split, str(source.path), summary["base"]["accuracy_mean"],
-                   summary["trained"]["accuracy_mean"], train.get("train_seconds"))
+        analysis.analyse(own, rr, stage=run.eval)
+    except Exception:  # the report computes it again from the samples; the scores themselves are saved
+        pass
+    report.build(run)
 
 
 def _label(index: int, seed: int, split: str) -> str:
@@ -256,9 +304,12 @@ def _fresh(directory: Path) -> None:
 def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: list[int],
         common: list[str] | None = None, resume: str | Path | None = None, log=print) -> tuple[Protocol, RunDir]:
     """Choose on validation, report on test (module docstring); saves and returns the protocol and its run. With
-    `resume`, an earlier protocol's directory: its recorded trainings are kept, the rest done; `seeds` may add
-    test seeds to it."""
+    `resume`, an earlier protocol's directory: its recorded trainings and evaluations are kept, the rest done;
+    `seeds` may add test seeds to it."""
     from workbench import recipe
+    from workbench.evaluation.evaluate import Evaluation
+    from workbench.serving.shared import SharedServer
+    from workbench.tasks.tinymodel import ensure_model
 
     if resume is not None:
         out = RunDir.open(resume)
@@ -268,7 +319,8 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
         result = Protocol.from_json(json.loads(out.protocol.json.read_text()))
         result.seeds += [s for s in seeds if s not in result.seeds]
         check(result.recipe, result.candidates, result.choose_seed, result.seeds, result.common)
-        log(f"resuming {out.path}: {len(result.validation)} validation and {len(result.test)} test result(s) kept")
+        log(f"resuming {out.path}: {len(result.trainings)} training(s), {len(result.validation)} validation and "
+            f"{len(result.test)} test result(s) kept")
     else:
         common = list(common or [])
         candidates = [Candidate(BASELINE, []), *candidates]
@@ -277,49 +329,114 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
         result = Protocol(recipe_name, choose_seed, list(seeds), candidates, common)
     stage = out.protocol.make()
     started = time.time() - result.seconds
+    shared = SharedServer(stage.path / "server", log)
 
     def save() -> None:
         result.seconds = time.time() - started
         write_atomic(stage.json, json.dumps(result.to_json(), indent=2))
         write_atomic(stage.table, result.markdown())
 
-    def train(c: Candidate, index: int, seed: int, split: str) -> Outcome:
+    def resolved(overrides: list[str]):
+        return recipe.resolve(recipe.load(result.recipe, [*result.common, *overrides]))
+
+    def share(rr) -> None:
+        """The protocol's one server for what comes next, when it can be started: else each process its own."""
+        try:
+            shared.open(rr, ensure_model(rr, log=log))
+        except WorkbenchError as exc:
+            shared.close()
+            log(f"(no shared server: {exc.cause.splitlines()[0][:200]}; each training starts its own)")
+
+    def train(c: Candidate, index: int, seed: int, split: str) -> Training:
         label = _label(index, seed, split)
-        _fresh(stage.runs / label)
-        log(f"[{time.time() - started:5.0f}s] {c.name!r}, seed {seed}: train and evaluate on {split} "
-            f"(log: {stage.logs / f'{label}.log'})")
-        _workbench(["run", "--recipe", result.recipe, "--stages", "train,eval", *result.common, *c.overrides,
-                    f"trainer.seed={seed}", f"eval.split={split}", f"monitor.runs_dir={stage.runs / label}"],
-                   stage.logs / f"{label}.log")
-        return _outcome(c.name, seed, split, _only_run(stage.runs / label), stage.logs / f"{label}.log")
-
-    done = {o.candidate for o in result.validation}
-    for i, c in enumerate(result.candidates):
-        if c.name not in done:
-            result.validation.append(train(c, i, result.choose_seed, VALIDATION))
-            save()
-    best = max(result.validation, key=lambda o: o.trained)  # max keeps the first of equals: the recipe
-    result.chosen = best.candidate
-    index = next(i for i, c in enumerate(result.candidates) if c.name == result.chosen)
-    chosen = result.candidates[index]
-    log(f"chosen on validation: {chosen.name!r} ({best.base:.1%} → {best.trained:.1%})")
-
-    if result.selected is None:  # the picked model itself on test: information, not the result
-        label = _label(index, result.choose_seed, TEST)
-        _fresh(stage.runs / label)
-        log(f"[{time.time() - started:5.0f}s] the picked model ({chosen.name!r}, seed {result.choose_seed}): "
-            f"evaluate on {TEST}")
-        _workbench(["eval", "--recipe", result.recipe, *result.common, *chosen.overrides, f"eval.split={TEST}",
-                    f"monitor.runs_dir={stage.runs / label}", "--model", "base=base",
-                    "--model", f"trained={RunDir(best.run).train.final}"], stage.logs / f"{label}.log")
-        result.selected = _outcome(chosen.name, result.choose_seed, TEST, _only_run(stage.runs / label),
-                                   stage.logs / f"{label}.log", trained_from=RunDir(best.run))
+        directory = stage.runs / label
+        done = _finished(directory)
+        if done is None:
+            _fresh(directory)
+            overrides = [*c.overrides, f"trainer.seed={seed}", f"eval.split={split}"]
+            share(resolved(overrides))
+            log(f"[{time.time() - started:5.0f}s] {c.name!r}, seed {seed}: train, to be scored on {split} "
+                f"(log: {stage.logs / f'{label}.log'})")
+            with shared.answering():
+                _workbench(["train", "--recipe", result.recipe, *result.common, *overrides,
+                            f"monitor.runs_dir={directory}"], stage.logs / f"{label}.log")
+            done = _finished(directory)
+            if done is None:
+                raise WorkbenchError(f"the training {label} ended without its final model",
+                                     f"see {stage.logs / f'{label}.log'}")
+        summary = json.loads(done.train.summary.read_text())
+        training = Training(label, c.name, seed, split, str(done.path), summary.get("train_seconds"))
+        result.trainings.append(training)
         save()
-    done_seeds = {o.seed for o in result.test}
-    for seed in result.seeds:
-        if seed not in done_seeds:
-            result.test.append(train(chosen, index, seed, TEST))
-            save()
+        return training
+
+    def evaluate_split(split: str, pending: list[tuple[Training, RunDir]]) -> dict[str, Outcome]:
+        """One evaluation of the split: the base (unless scored already) and every pending model, each once; each
+        pending training's run gets its part. Returns the outcome by label."""
+        if not pending:
+            return {}
+        rr = resolved([f"eval.split={split}"])
+        models = {} if split in result.base else {"base": "base"}
+        models.update({t.label: str(RunDir(t.run).train.final) for t, _ in pending})
+        # named by what the split had scored before it: an evaluation that was interrupted is set aside and redone
+        before = len(result.validation) if split == VALIDATION else len(result.test) + (result.selected is not None)
+        directory = stage.runs / (f"eval-{split}" if before == 0 else f"eval-{split}-after-{before}")
+        _fresh(directory)
+        into = RunDir.at(directory, rr.recipe)
+        log(f"[{time.time() - started:5.0f}s] evaluate on {split}: {', '.join(models)}")
+        share(rr)
+        evaluation = _evaluate(rr, models, into.eval, shared.server if shared.serves(rr, ensure_model(rr)) else None,
+                               log)
+        by = evaluation.by_model()
+        if "base" in by:
+            result.base[split], result.base_evaluation[split] = by["base"].accuracy_mean, str(directory)
+        earlier = Evaluation.load(RunDir(result.base_evaluation[split]).eval)
+        base_summary = earlier.by_model()["base"]
+        base_samples = [s for s in earlier.samples if s.model == "base"]
+        outcomes = {}
+        for t, run in pending:
+            _split_out(evaluation, base_samples, base_summary, t.label, run, rr)
+            outcomes[t.label] = Outcome(t.candidate, t.seed, split, t.run, result.base[split],
+                                        by[t.label].accuracy_mean, t.train_seconds)
+        return outcomes
+
+    try:
+        # 1. choose on the validation split
+        for i, c in enumerate(result.candidates):
+            if not result.training(_label(i, result.choose_seed, VALIDATION)):
+                train(c, i, result.choose_seed, VALIDATION)
+        scored = {o.candidate for o in result.validation}
+        pending = [(t, RunDir(t.run)) for t in result.trainings
+                   if t.split == VALIDATION and t.candidate not in scored]
+        for label, outcome in evaluate_split(VALIDATION, pending).items():
+            result.validation.append(outcome)
+        result.validation.sort(key=lambda o: [c.name for c in result.candidates].index(o.candidate))
+        save()
+        best = max(result.validation, key=lambda o: o.trained)  # max keeps the first of equals: the recipe
+        result.chosen = best.candidate
+        index = next(i for i, c in enumerate(result.candidates) if c.name == result.chosen)
+        chosen = result.candidates[index]
+        log(f"chosen on validation: {chosen.name!r} ({best.base:.1%} → {best.trained:.1%})")
+
+        # 2. report on the test split: the chosen setting trained afresh per seed, and the picked model itself
+        for seed in result.seeds:
+            if not result.training(_label(index, seed, TEST)):
+                train(chosen, index, seed, TEST)
+        pending = [(t, RunDir(t.run)) for t in result.trainings
+                   if t.split == TEST and t.seed not in {o.seed for o in result.test}]
+        picked = None
+        if result.selected is None:  # the picked model on test: information, not the result
+            picked_from = result.training(_label(index, result.choose_seed, VALIDATION))
+            picked = Training(_label(index, result.choose_seed, TEST), chosen.name, result.choose_seed, TEST,
+                              picked_from.run, picked_from.train_seconds)
+            _fresh(stage.runs / picked.label)
+            pending.append((picked, RunDir.at(stage.runs / picked.label, resolved([f"eval.split={TEST}"]).recipe)))
+        outcomes = evaluate_split(TEST, pending)
+        if picked is not None:
+            result.selected = outcomes.pop(picked.label)
+        result.test += sorted(outcomes.values(), key=lambda o: result.seeds.index(o.seed))
+    finally:
+        shared.close()
     save()
     log(result.markdown())
     log(f"saved: {stage.json}, {stage.table} ({result.seconds / 60:.1f} min)")
