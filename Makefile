@@ -1,12 +1,16 @@
-# make demo: the CPU demo end to end.  make test: the test suite.  make lab: JupyterLab for the notebooks.  Both set up .venv on a fresh machine and are
-# quick when it is already there (the stamp tracks pyproject.toml).
+# make demo: the CPU demo end to end.  make test: the test suite.  make test-fast: the suite without servers, engines
+# or trainings (minutes, for iteration).  make lab: JupyterLab for the notebooks.  Each sets up .venv on a fresh
+# machine and is quick when it is already there (the stamp tracks pyproject.toml).
 VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.workbench-installed
 KERNEL  := grpo-workbench
 
-.PHONY: demo test lab install clean-venv
+# the contract tests' second environment (vLLM 0.23.0, the Ascend row's): one-time, minutes, apart from the suite's time
+CONTRACT_ENV := .venv-vllm-0.23.0/.contract-env.json
+
+.PHONY: demo test test-fast contract-env lab install clean-venv
 
 install: $(STAMP)
 
@@ -35,8 +39,16 @@ demo: $(STAMP)
 lab: $(STAMP)
 	$(VENV)/bin/workbench lab
 
-test: $(STAMP)
+contract-env: $(CONTRACT_ENV)
+
+$(CONTRACT_ENV): tests/contract/contract_venv.py | $(STAMP)
+	$(PY) tests/contract/contract_venv.py
+
+test: $(STAMP) $(CONTRACT_ENV)
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not heavy"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -3,9 +3,20 @@ README's table by `python scripts/bad_input_table.py`.
 
 Each case: (what a user types after `workbench`, a fragment the one-line message must contain). `{tmp}` is a
 scratch directory holding the files some cases need (see `write_files`), `{port}` a port nobody listens on.
+
+`run_all` runs every case through the console script's own entry point (`workbench.cli.main`, what `workbench`
+calls) in one fresh process of its own, one case after the other, each with its output and exit status captured
+as the shell would see them (an exception that escapes is printed as Python would print it, status 1): the CLI's
+real code path without paying Python's, torch's and TRL's imports sixty times.
+
+    python tests/bad_inputs.py TMP PORT < cases.json     # what run_all starts: JSON results on stdout
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 TRAIN = ["train", "--recipe", "smoke"]
@@ -95,3 +106,51 @@ def write_files(tmp: Path) -> None:
 
 def expand(args: list[str], tmp: Path, port: int) -> list[str]:
     return [a.replace("{tmp}", str(tmp)).replace("{port}", str(port)) for a in args]
+
+
+def command_args(args: list[str], tmp: Path, port: int) -> list[str]:
+    """A case's words as run: paths and port filled in, and every run written under tmp/runs."""
+    args = expand(args, tmp, port)
+    if args[0] in ("train", "eval", "run", "protocol") and "--resume" not in args:
+        args = args + [f"monitor.runs_dir={tmp / 'runs'}"]
+    return args
+
+
+def run_all(cases: list[tuple[list[str], str]], tmp: Path, port: int, timeout: float = 600) -> list[dict]:
+    """Every case in one new process, in tmp as its working directory and with tmp/data as WORKBENCH_DATA:
+    [{"args", "code", "stdout", "stderr"}] in the cases' order."""
+    write_files(tmp)
+    env = {**os.environ, "WORKBENCH_DATA": str(tmp / "data")}
+    argv = [command_args(args, tmp, port) for args, _ in cases]
+    done = subprocess.run([sys.executable, __file__], input=json.dumps(argv), capture_output=True, text=True,
+                          env=env, cwd=tmp, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"the bad-input driver failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _drive(argv: list[list[str]]) -> list[dict]:
+    """In the driver process: each case through workbench.cli.main, as `workbench ARGS` runs it."""
+    import contextlib
+    import io
+    import traceback
+
+    from workbench.cli import main
+
+    results = []
+    for args in argv:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as exc:  # argparse's errors, as the console script's sys.exit would end
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:  # what the interpreter prints for an uncaught exception
+                traceback.print_exc()
+                code = 1
+        results.append({"args": args, "code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(_drive(json.loads(sys.stdin.read()))))

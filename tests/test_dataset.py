@@ -360,8 +360,9 @@ def test_max_prompt_tokens_with_a_batch_of_one():
 
 def test_max_prompt_tokens_with_a_transformers_tokenizer():
     """transformers 5 returns a BatchEncoding; build a word-level tokenizer locally, no download."""
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
+    import tokenizers
+    import transformers
+
     words = "user assistant system : what is 1 + 2 ? be brief".split()
     vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))

@@ -66,7 +66,7 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
     try:
         out = subprocess.run([*WORKBENCH, "train", "--recipe", "smoke", "distributed.processes=2",
                               f"server.port={port}", f"monitor.runs_dir={runs}", "trainer.log_completions=true",
-                              "trainer.max_steps=6", "devices.env.WORKBENCH_TEST_CANARY=from-the-recipe"],
+                              "trainer.max_steps=4", "devices.env.WORKBENCH_TEST_CANARY=from-the-recipe"],
                              capture_output=True, text=True, timeout=900)
     finally:
         done.set()
@@ -104,18 +104,18 @@ def test_two_ranks_train_through_one_server(two_rank_run):
 def test_two_ranks_write_each_record_once_and_stay_in_sync(two_rank_run):
     run, _, _, _ = two_rank_run
     rows = [r for r in read_jsonl(run.train.metrics) if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # the main rank alone writes: no step twice
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the main rank alone writes: no step twice
     # the server's log-probs track the trainer's after every push (the weights reached the server each step)
     for r in rows:
-        assert r["sampling/sampling_logp_difference/mean"] < 1e-3, r
+        assert r["sampling/sampling_logp_difference/mean"] < 1e-4, r  # exact sync: kernel rounding only
     # one push a step; the step whose server was replaced pushed again to the new one (counted once more when the
     # fault hit its generation, not when it hit the push itself, which then never completed)
     counts = [r["sync/count"] for r in rows]
-    assert all(c in (1, 2) for c in counts) and sum(counts) in (6, 7), counts
+    assert all(c in (1, 2) for c in counts) and sum(counts) in (4, 5), counts
     completions = sorted(run.train.completions.glob("completions_*.parquet"))
-    assert len(completions) == 6  # one file per logged step, not one per rank
+    assert len(completions) == 4  # one file per logged step, not one per rank
     summary = json.loads(run.train.summary.read_text())
-    assert summary["processes"] == 2 and summary["steps"] == 6 and summary["restarts"] == 1
+    assert summary["processes"] == 2 and summary["steps"] == 4 and summary["restarts"] == 1
     kinds = [e["kind"] for e in read_jsonl(run.train.events, normalised=False)]
     assert kinds == ["server_fault", "server_restart"], kinds
     after = [c for c in read_jsonl(run.train.canary, normalised=False) if c["reason"] == "after restart"]

@@ -6,7 +6,6 @@ import re
 
 import pytest
 
-from conftest import free_port
 from workbench import recipe
 from workbench.errors import WorkbenchError
 from workbench.evaluation import analysis
@@ -262,34 +261,18 @@ def test_saved_analysis_round_trips_and_the_report_shows_it(tmp_path):
 
 # --- a real evaluation of two models through the server ------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def weaker_model_dir(tiny_model_dir):
-    """The tiny model pre-trained for 200 steps instead of 250 (about 34% held-out accuracy instead of 52%), built
-    once and cached beside it. A genuinely different model: the smoke run's final model, three steps from the base,
-    answers exactly as the base does, which would leave nothing fixed or broken between the two."""
-    from workbench.tasks import tinymodel
-
-    r = recipe.load("cpu-tiny", ["model.tiny.pretrain_steps=200", "model.tiny.eval_size=0"])
-    return tinymodel.ensure(r, log=lambda *_: None)
-
-
-def test_real_base_vs_trained_counts_match_the_summaries(server_recipe, tiny_model_dir, weaker_model_dir, tmp_path):
-    """Two models, each served and scored (two repeats, sampled so that a problem's repeats can disagree); the
-    analysis of what was saved adds up to both summaries exactly."""
-    from workbench.evaluation import evaluate
-
-    r = recipe.load(server_recipe, {"eval.num_samples": 48, "eval.repeats": 2, "eval.temperature": 1.0,
-                                    "server.port": free_port()})
-    run = RunDir.at(tmp_path / "run", r)
-    evaluate.evaluate(recipe.resolve(r), {"base": str(weaker_model_dir), "trained": "tiny"}, stage=run.eval,
-                      quiet=True, log=lambda *_: None)
+def test_real_base_vs_trained_counts_match_the_summaries(two_model_eval, tmp_path):
+    """conftest's `two_model_eval`: two models, each served and scored (two repeats, sampled so that a problem's
+    repeats can disagree); the analysis of what was saved adds up to both summaries exactly."""
+    run, r = two_model_eval
     ev = Evaluation.load(run.eval)
     base, trained = ev.summaries
     assert base.errors == trained.errors == 0
     answers = {(s.model, s.id, s.repeat): s.response for s in ev.samples}
     differ = sum(answers["base", s.id, s.repeat] != s.response for s in ev.samples if s.model == "trained")
     assert differ > 48  # of 96: two different models, not one served twice
-    found = analysis.analyse(ev, r, stage=run.eval)
+    saved = RunDir(tmp_path).eval  # written apart: the shared evaluation's directory stays as the evaluation left it
+    found = analysis.analyse(ev, r, stage=saved)
     c = found.counts
     assert found.models == ["base", "trained"] and c["n"] == 48 and found.repeats == 2
     assert c["fixed"] > 0 and c["broken"] >= 0
@@ -308,4 +291,4 @@ def test_real_base_vs_trained_counts_match_the_summaries(server_recipe, tiny_mod
     assert counts["both_right"] + counts["broken"] == round(base.accuracy_per_repeat[0] * 48)
     assert counts["both_right"] + counts["fixed"] == round(trained.accuracy_per_repeat[0] * 48)
     assert counts["n"] == sum(counts[o] for o in analysis.OUTCOMES) == 48
-    assert analysis.Analysis.load(run.eval) == found
+    assert analysis.Analysis.load(saved) == found

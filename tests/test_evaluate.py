@@ -1,14 +1,16 @@
 """Evaluation through the server: grading, preflight against a real server, repeats, comparison outputs."""
 import json
+from pathlib import Path
 
+import psutil
 import pytest
+import requests
 from PIL import Image
 
-from conftest import free_port
 from workbench import recipe
 from workbench.errors import WorkbenchError
 from workbench.evaluation import evaluate
-from workbench.rundir import RunDir
+from workbench.evaluation.evaluate import Evaluation
 from workbench.tasks.grading import grade
 
 
@@ -78,13 +80,11 @@ def test_temperature_zero_repeats_agree_and_sampling_reports_spread(tiny_server,
     assert "<answer>" in plain_samples[0].response
 
 
-def test_base_vs_trained_comparison_outputs(server_recipe, tiny_model_dir, smoke_run, tmp_path):
-    trained_run, _ = smoke_run
-    r = recipe.load(server_recipe, {"eval.num_samples": 48, "eval.repeats": 2, "server.port": free_port()})
-    rr = recipe.resolve(r)
-    stage = RunDir(tmp_path).eval
-    result = evaluate.evaluate(rr, {"base": "tiny", "trained": str(trained_run.train.final)}, stage=stage,
-                               quiet=True, log=lambda *_: None)
+def test_base_vs_trained_comparison_outputs(two_model_eval):
+    """conftest's `two_model_eval` (two models, 48 problems, two repeats each): what the evaluation leaves."""
+    run, _ = two_model_eval
+    stage = run.eval
+    result = Evaluation.load(stage)
     assert [s.model for s in result.summaries] == ["base", "trained"]
     table = stage.table.read_text()
     assert "| base | 48 × 2 |" in table and "| trained | 48 × 2 |" in table
@@ -94,6 +94,43 @@ def test_base_vs_trained_comparison_outputs(server_recipe, tiny_model_dir, smoke
     assert len(json.loads(stage.summary.read_text())) == 2
     with Image.open(stage.figure) as image:
         assert image.size[0] > 300 and image.size[1] > 200
+
+
+def test_a_model_loaded_into_the_server_answers_as_on_a_server_of_its_own(two_model_eval, tiny_server):
+    """`two_model_eval` served its second model ("trained": the tiny model) by loading its weights into the server
+    the first one started with. The session's tiny_server serves the tiny model from its own start: the same
+    requests (sampled at temperature 1 with the recipe's seed) get the same answers, every one of them."""
+    run, r = two_model_eval
+    ev = Evaluation.load(run.eval)
+    attached = recipe.resolve(recipe.load(r, {"server.mode": "attach", "server.url": tiny_server.url}))
+    _, fresh = evaluate.evaluate_server(attached, "trained", evaluate.eval_rows(attached), tiny_server.url, quiet=True)
+    loaded = {(s.id, s.repeat): s.response for s in ev.samples if s.model == "trained"}
+    assert len(loaded) == len(fresh) == 96
+    assert sum(loaded[s.id, s.repeat] == s.response for s in fresh) == 96
+    assert [p.name.rsplit("-", 1)[1] for p in run.eval.path.glob("vllm-server-*.log")] == ["base.log"]  # one server
+    # and the evaluation stopped it: nothing answers on its port, none of its processes runs
+    port = r.server.port
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_only_checkpoints_of_one_model_share_a_server(tiny_model_dir, smoke_run, tmp_path):
+    """A training's final model is a checkpoint of its base (its tokenizer files are written differently, and it
+    encodes the same); a changed config, generation default or chat template is another model."""
+    import shutil
+
+    trained = smoke_run[0].train.final
+    assert evaluate.weights_apart(str(tiny_model_dir), str(trained)) is None
+    for name, change, why in (("config.json", lambda c: {**c, "num_hidden_layers": 3}, "config.json differs"),
+                              ("generation_config.json", lambda c: {**c, "temperature": 0.5},
+                               "generation_config.json differs")):
+        other = Path(shutil.copytree(tiny_model_dir, tmp_path / name))
+        (other / name).write_text(json.dumps(change(json.loads((other / name).read_text()))))
+        assert evaluate.weights_apart(str(tiny_model_dir), str(other)) == why
+    other = Path(shutil.copytree(tiny_model_dir, tmp_path / "template"))
+    (other / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert evaluate.weights_apart(str(tiny_model_dir), str(other)) == "the chat templates differ"
 
 
 def test_lm_eval_command_matches_the_recipe():

@@ -1,7 +1,8 @@
 """Faults during training, for real: a SIGKILLed server, a SIGKILLed trainer and its resume, a sync that stops.
 
 Each test runs `workbench train` (or train() in this process) against a real vLLM server on the CPU with the tiny
-model; the server and trainer are killed with SIGKILL as a crash or the OOM killer would. About 5 minutes together.
+model; the server and trainer are killed with SIGKILL as a crash or the OOM killer would. The SIGKILLed trainer and
+its resume are conftest's `killed_run` (tests/test_monitor.py reads the killed run's records from the same run).
 """
 from __future__ import annotations
 
@@ -9,26 +10,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import VENV_BIN, free_port
+from conftest import FAST, free_port, steps_logged, wait_for, workbench_command
 from workbench.observe.records import read_jsonl
 from workbench.rundir import RunDir
 
-# enough completions per step for the rewards to differ inside a group (so the weights really move) and a learning
-# rate high enough that a server left on old weights is visibly off after a few steps
-FAST = ["trainer.per_device_train_batch_size=8", "trainer.num_generations=4", "trainer.learning_rate=3e-3",
-        "trainer.logging_steps=1", "trainer.log_completions=false", "monitor.canary_every=1"]
-
-
-def _cmd() -> list[str]:
-    script = VENV_BIN / "workbench"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "workbench"]
+_cmd = workbench_command
+_steps = steps_logged
 
 
 def _train_dir(runs: Path) -> Path:
@@ -36,27 +28,11 @@ def _train_dir(runs: Path) -> Path:
     return run / "train"
 
 
-def _steps(train_dir: Path) -> list[int]:
-    return [r["step"] for r in read_jsonl(train_dir / "metrics.jsonl") if "loss" in r]
-
-
 def _start(args: list[str], log: Path) -> subprocess.Popen:
     """`workbench ARGS` with its output in a file: a pipe that nobody reads while the run goes on fills up and
     blocks the trainer in a progress-bar write."""
     with open(log, "w") as out:
         return subprocess.Popen([*_cmd(), *args], stdout=out, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None, what: str = "", log: Path | None = None):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:] if log else ""
-            raise AssertionError(f"the run ended (status {proc.returncode}) before {what}: {tail}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _server_of(pid: int) -> psutil.Process:
@@ -86,20 +62,23 @@ def _no_sync_gap(train_dir: Path, base: Path) -> float:
     return sum(gaps) / len(gaps)
 
 
+@pytest.mark.heavy
+@pytest.mark.timeout(600)
 def test_dead_then_hung_server_is_restarted_and_resynced(tmp_path, tiny_model_dir):
-    """SIGKILL of the whole server at step 3 (a crash), SIGSTOP of the new one at step 15 (a hang: it holds its
-    connections and answers nothing): two restarts, every step, and the canary proves each re-sync."""
+    """SIGKILL of the whole server at step 3 (a crash), SIGSTOP of the new one at step 8 (a hang: it holds its
+    connections and answers nothing, and the trainer's requests time out after 10 s): two restarts, every step, and
+    the canary proves each re-sync."""
     before = _sync_dirs()
     runs = tmp_path / "runs"
     log = tmp_path / "train.log"
     proc = _start(["train", "--recipe", "smoke", f"server.port={free_port()}", f"monitor.runs_dir={runs}",
-                   "trainer.max_steps=30", "trainer.save_steps=100", "server.request_timeout_s=20", *FAST], log)
+                   "trainer.max_steps=14", "trainer.save_steps=100", "server.request_timeout_s=10", *FAST], log)
     try:
-        _wait_for(lambda: runs.exists() and any(runs.iterdir()) and len(_steps(_train_dir(runs))) >= 3, 400, proc,
+        wait_for(lambda: runs.exists() and any(runs.iterdir()) and len(_steps(_train_dir(runs))) >= 3, 400, proc,
                   "step 3", log)
         server = _server_of(proc.pid)
         os.killpg(os.getpgid(server.pid), signal.SIGKILL)  # the whole server: API process and engine core
-        _wait_for(lambda: len(_steps(_train_dir(runs))) >= 15, 400, proc, "step 15", log)
+        wait_for(lambda: len(_steps(_train_dir(runs))) >= 8, 400, proc, "step 8", log)
         second = _server_of(proc.pid)
         assert second.pid != server.pid
         os.killpg(os.getpgid(second.pid), signal.SIGSTOP)  # hung: alive, listening, silent
@@ -109,14 +88,14 @@ def test_dead_then_hung_server_is_restarted_and_resynced(tmp_path, tiny_model_di
             proc.kill()
     assert proc.returncode == 0, log.read_text(errors="replace")[-3000:]
     train_dir = _train_dir(runs)
-    assert _steps(train_dir) == list(range(1, 31))  # every step, once
+    assert _steps(train_dir) == list(range(1, 15))  # every step, once
     events = read_jsonl(train_dir / "events.jsonl", normalised=False)
     kinds = [e["kind"] for e in events]
     assert kinds.count("server_fault") == 2 and kinds.count("server_restart") == 2, kinds
     hang = [e for e in events if e["kind"] == "server_fault"][1]
     assert "Timeout" in hang["message"], hang
     summary = json.loads((train_dir / "train.json").read_text())
-    assert summary["restarts"] == 2 and summary["steps"] == 30
+    assert summary["restarts"] == 2 and summary["steps"] == 14
     canary = read_jsonl(train_dir / "canary.jsonl", normalised=False)
     after = [c for c in canary if c["reason"] == "after restart"]
     assert len(after) == 2 and all(c["level"] == "ok" for c in after)
@@ -131,35 +110,11 @@ def test_dead_then_hung_server_is_restarted_and_resynced(tmp_path, tiny_model_di
     assert _sync_dirs() <= before
 
 
-def test_trainer_sigkilled_then_resumed_has_every_step_once(tmp_path, tiny_model_dir):
-    runs = tmp_path / "runs"
-    port = free_port()
-    args = ["train", "--recipe", "smoke", f"server.port={port}", f"monitor.runs_dir={runs}", "trainer.max_steps=12",
-            "trainer.save_steps=4", *FAST]
-    log = tmp_path / "train.log"
-    proc = _start(args, log)
-    try:
-        def past_checkpoint() -> bool:
-            if not (runs.exists() and any(runs.iterdir())):
-                return False
-            train_dir = _train_dir(runs)
-            return (train_dir / "checkpoints" / "checkpoint-4" / "trainer_state.json").exists() and \
-                max(_steps(train_dir), default=0) >= 6
-        _wait_for(past_checkpoint, 400, proc, "step 6", log)
-        server = _server_of(proc.pid)
-        proc.send_signal(signal.SIGKILL)  # the trainer dies without any clean-up of its own
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
-    server.wait(timeout=60)  # the server follows its parent (PR_SET_PDEATHSIG)
-    train_dir = _train_dir(runs)
-    reached = max(_steps(train_dir))
-    assert reached < 12
-    out = subprocess.run([*_cmd(), "train", "--resume", str(train_dir.parent)], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_trainer_sigkilled_then_resumed_has_every_step_once(killed_run):
+    """conftest's `killed_run`: the trainer SIGKILLed after its step-4 checkpoint, then `workbench train --resume`."""
+    _, run, reached = killed_run
+    train_dir = run.train.path
+    assert 6 <= reached < 12
     assert _steps(train_dir) == list(range(1, 13))  # merged: each step exactly once, up to max_steps
     summary = json.loads((train_dir / "train.json").read_text())
     assert summary["steps"] == 12
@@ -168,9 +123,9 @@ def test_trainer_sigkilled_then_resumed_has_every_step_once(tmp_path, tiny_model
     assert resume["step"] == summary["resumed_from"] and resume["reached"] == reached
     assert (train_dir / "final" / "model.safetensors").exists()
     assert not [p for p in _sync_dirs() if not _alive_owner(p)]  # the killed run's copy is gone too
-    report = subprocess.run([*_cmd(), "report", str(train_dir.parent)], capture_output=True, text=True, timeout=120)
+    report = subprocess.run([*_cmd(), "report", str(run.path)], capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
-    assert "resumed from checkpoint" in (train_dir.parent / "report.html").read_text()
+    assert "resumed from checkpoint" in (run.path / "report.html").read_text()
 
 
 def _alive_owner(name: str) -> bool:
@@ -178,7 +133,10 @@ def _alive_owner(name: str) -> bool:
     return pid.isdigit() and psutil.pid_exists(int(pid))
 
 
-def test_canary_stops_a_run_whose_sync_stops(tmp_path, tiny_model_dir, monkeypatch):
+@pytest.mark.heavy
+@pytest.mark.timeout(300)
+def test_canary_stops_a_run_whose_sync_stops(tmp_path, restored_server, monkeypatch):
+    """A training attached to the session's server (server.mode=attach), in this process, whose sync goes quiet."""
     from workbench import recipe
     from workbench.serving import sync
     from workbench.training import train as training
@@ -198,8 +156,8 @@ def test_canary_stops_a_run_whose_sync_stops(tmp_path, tiny_model_dir, monkeypat
 
     monkeypatch.setattr(sync, "make", lambda rr: Stale())
     before = _sync_dirs()
-    r = recipe.load("smoke", [f"server.port={free_port()}", f"monitor.runs_dir={tmp_path}", "trainer.max_steps=20",
-                              "trainer.save_steps=100", *FAST])
+    r = recipe.load("smoke", ["server.mode=attach", f"server.url={restored_server.url}", f"monitor.runs_dir={tmp_path}",
+                              "trainer.max_steps=20", "trainer.save_steps=100", *FAST])
     run = RunDir.create(r, "train")
     with pytest.raises(CanaryAlarm) as alarm:
         training.train(recipe.resolve(r), run.train, log=lambda *_: None)

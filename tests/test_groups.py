@@ -75,7 +75,6 @@ def test_filters_illustrations_and_report(grouped_run):
 
 
 def test_inspector_widget_renders_the_chosen_step(grouped_run):
-    pytest.importorskip("ipywidgets")
     from workbench.observe import groups
 
     widget = groups.inspector(grouped_run.train)

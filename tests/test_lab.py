@@ -1,7 +1,7 @@
 """The live dashboard as a user meets it: JupyterLab, started by `workbench lab` (what `make lab` runs), in headless
-Chromium runs notebook 04 on a short cpu-tiny run; the page's progress bar moves while the cell runs; a click on the
+Chromium runs notebook 04 on a short cpu-tiny run (attached to the session's server); the page's progress bar moves while the cell runs; a click on the
 page's Stop button is handled while the cell is still running, and the run ends early with its checkpoint.
-Skipped, with the reason, where Chromium is missing or cannot start."""
+Fails, with the reason, where Chromium is missing or cannot start (.ci/run installs it)."""
 from __future__ import annotations
 
 import itertools
@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, workbench_command
-from test_pipeline import _chromium
+from conftest import chromium, free_port, workbench_command
 
 MAX_STEPS = 40
 
@@ -58,8 +57,9 @@ def _get(url: str) -> bytes | None:
         return None
 
 
-def _notebook(root: Path, runs: Path) -> Path:
-    """Notebook 04 with its parameters set the way papermill would set them (an injected cell)."""
+def _notebook(root: Path, runs: Path, server_url: str) -> Path:
+    """Notebook 04 with its parameters set the way papermill would set them (an injected cell); the training
+    attaches to the session's server (server.mode=attach: what a trainer beside a running server does)."""
     import nbformat
     from papermill.parameterize import parameterize_notebook
 
@@ -68,7 +68,7 @@ def _notebook(root: Path, runs: Path) -> Path:
     from papermill.iorw import load_notebook_node
 
     nb = load_notebook_node(str(paths.notebooks_dir() / "04_full_grpo.ipynb"))  # papermill's loader, as papermill
-    overrides = [f"server.port={free_port()}", f"trainer.max_steps={MAX_STEPS}", "trainer.save_steps=100",
+    overrides = ["server.mode=attach", f"server.url={server_url}", f"trainer.max_steps={MAX_STEPS}", "trainer.save_steps=100",
                  "trainer.logging_steps=1", f"monitor.runs_dir={runs}", "monitor.canary_every=0"]
     nb = parameterize_notebook(nb, {"recipe": "cpu-tiny", "overrides": overrides, "refresh_s": 1.0})
     path = root / "04_full_grpo.ipynb"
@@ -102,9 +102,7 @@ def lab(tmp_path):
 
 @pytest.fixture
 def browser(tmp_path):
-    path = _chromium()
-    if path is None:
-        pytest.skip("no Chromium on this machine (Debian: apt install chromium)")
+    path = chromium()
     profile = tmp_path / "profile"
     proc = subprocess.Popen([path, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                              "--no-first-run", "--disable-extensions", "--remote-debugging-port=0",
@@ -116,7 +114,7 @@ def browser(tmp_path):
         time.sleep(0.2)
     if not active.exists():
         proc.kill()
-        pytest.skip(f"Chromium could not start headless here (exit {proc.poll()})")
+        pytest.fail(f"Chromium could not start headless here (exit {proc.poll()})", pytrace=False)
     port = int(active.read_text().split()[0])
     pages = json.loads(_get(f"http://127.0.0.1:{port}/json/list"))
     yield Page(next(p["webSocketDebuggerUrl"] for p in pages if p["type"] == "page"))
@@ -131,10 +129,12 @@ STOP = """(() => { const b = [...document.querySelectorAll('button')].find(
                    return b ? b.textContent.trim() : null; })()"""
 
 
-def test_stop_clicked_in_jupyterlab_ends_the_run_early_with_its_checkpoint(tmp_path, lab, browser):
+@pytest.mark.heavy
+@pytest.mark.timeout(300)
+def test_stop_clicked_in_jupyterlab_ends_the_run_early_with_its_checkpoint(tmp_path, lab, browser, restored_server):
     url, token = lab
     runs = tmp_path / "runs"
-    _notebook(tmp_path, runs)
+    _notebook(tmp_path, runs, restored_server.url)
     page = browser
     page.js(f"window.location.href = '{url}/lab/tree/04_full_grpo.ipynb?reset&token={token}'")
     notebook = "[...((window.jupyterapp && window.jupyterapp.shell.widgets('main')) || [])].find(w => w.sessionContext)"
@@ -162,8 +162,10 @@ def test_stop_clicked_in_jupyterlab_ends_the_run_early_with_its_checkpoint(tmp_p
         time.sleep(1)
     summary = json.loads((train / "train.json").read_text())
     stopped = summary["stopped_early_at"]
-    assert stopped is not None and 0 < stopped < MAX_STEPS, summary
+    assert stopped is not None and 0 < stopped < MAX_STEPS and summary["steps"] == stopped, summary
+    # saved by the stop (save_steps is 100), and the run ended as a finished one does: its final model
     assert (train / "checkpoints" / f"checkpoint-{stopped}" / "trainer_state.json").exists()
+    assert (train / "final" / "model.safetensors").exists()
     assert (train / "STOP").read_text().startswith("Stop button")
     # the live widget gives way to a line saying how the run ended (no Stop button left to click)
     page.wait("document.body.innerText.includes('stopped early at step')", bool, 60, "the ended-run line")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
 from test_npusmi import WIDE_DUAL_DIE
 from workbench import recipe
 from workbench.errors import WorkbenchError
@@ -69,6 +67,26 @@ def test_recorded_vllm_metrics_parse_to_their_values():
     assert values["preemptions"] == 0.0
     assert values["prompt_tokens"] == 18936.0 and values["generation_tokens"] == 23306.0
     assert values["requests_finished"] == 704.0  # summed over finish reasons (stop 704, the others 0)
+    # 88 prompts asked for 48 tokens each with n=8: 704 sequences; no one-token probe on this page
+    assert (values["generation_prompts"], values["generation_sequences"], values["probe_requests"]) == (88, 704, 0)
+
+
+def test_one_token_probes_are_counted_apart_from_generation():
+    """Two prompts with n=4 (max_tokens 48) and three log-prob probes (max_tokens 1), as vLLM's histograms of the
+    requested tokens record them: per request and per sample."""
+    def histogram(name, first, total, per):
+        return "".join([f"# TYPE {name} histogram\n",
+                        f'{name}_bucket{{engine="0",le="1.0",model_name="m"}} {first}\n',
+                        f'{name}_bucket{{engine="0",le="50.0",model_name="m"}} {total}\n',
+                        f'{name}_bucket{{engine="0",le="+Inf",model_name="m"}} {total}\n',
+                        f'{name}_count{{engine="0",model_name="m"}} {total}\n',
+                        f'{name}_sum{{engine="0",model_name="m"}} {per}\n'])
+
+    text = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 0.0\n'
+            + histogram("vllm:request_max_num_generation_tokens", 3, 5, 99)
+            + histogram("vllm:request_params_max_tokens", 3, 11, 387))
+    values = scraper.parse(text)
+    assert (values["generation_prompts"], values["generation_sequences"], values["probe_requests"]) == (2, 8, 3)
 
 
 def test_older_vllm_metric_names_are_accepted():
@@ -217,7 +235,9 @@ def test_smoke_run_records_metrics_devices_and_rollout(smoke_run):
 
     scraped = [json.loads(line) for line in train.rollout.read_text().splitlines()]
     assert scraped and not any("error" in r for r in scraped)
-    assert scraped[-1]["generation_tokens"] > 0 and scraped[-1]["requests_finished"] >= 6  # 3 steps x 2
+    # the last scrape (after the last step): 3 steps of 2 prompts x 4 generations, apart from the canary's probes
+    assert scraped[-1]["generation_tokens"] > 0
+    assert (scraped[-1]["generation_prompts"], scraped[-1]["generation_sequences"]) == (6, 24), scraped[-1]
     summary = json.loads(train.summary.read_text())
     assert summary["monitor"]["samples"] >= 1 and summary["monitor"]["errors"] == 0
 
@@ -235,34 +255,12 @@ def test_report_to_passes_through_next_to_the_workbench_metrics(smoke_run):
     assert run.train.metrics.read_text().count('"loss"') == 3
 
 
-# --- a killed run keeps its lines; a STOP file stops cleanly -------------------------------------------------------
+# --- a killed run keeps its lines; `workbench stop` asks for a clean stop ------------------------------------------
 
-def _start_train(workbench_cmd, run_dir, port, *overrides):
-    return subprocess.Popen([*workbench_cmd, "train", "--recipe", "smoke", "--run-dir", str(run_dir),
-                             f"server.port={port}", "trainer.max_steps=400", "monitor.sample_interval_s=0.25",
-                             *overrides], stdout=open(run_dir.parent / f"{run_dir.name}.log", "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait_for_lines(path: Path, n: int, proc, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if path.exists() and path.read_text().count("\n") >= n:
-            return
-        assert proc.poll() is None, f"training ended early with {proc.returncode}"
-        time.sleep(0.5)
-    raise AssertionError(f"{path} did not reach {n} lines in {timeout}s")
-
-
-def test_killing_the_trainer_leaves_every_line_readable(tmp_path, workbench_cmd, tiny_model_dir):
-    run_dir = tmp_path / "killed"
-    train = RunDir(run_dir).train  # `workbench train --run-dir RUN` trains into RUN/train
-    proc = _start_train(workbench_cmd, run_dir, free_port())
-    try:
-        _wait_for_lines(train.metrics, 8, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the trainer and, through PDEATHSIG, its server
-        proc.wait()
+def test_killing_the_trainer_leaves_every_line_readable(killed_run):
+    """conftest's `killed_run`, as the SIGKILL left it (before its resume): every record is whole lines."""
+    killed, _, _ = killed_run
+    train = killed.train
     for path in (train.metrics, train.devices, train.rollout):
         name = path.name
         text = path.read_text()
@@ -274,24 +272,26 @@ def test_killing_the_trainer_leaves_every_line_readable(tmp_path, workbench_cmd,
     assert not train.summary.exists()
     from workbench.observe import report
 
-    page = report.build(run_dir).read_text()  # a report of what the killed run wrote
+    page = report.build(killed.path).read_text()  # a report of what the killed run wrote
     assert "did not finish" in page and "data:image/png;base64," in page
 
 
-def test_stop_file_checkpoints_and_ends_the_run(tmp_path, workbench_cmd, tiny_model_dir):
-    run_dir = tmp_path / "stopped"
-    train = RunDir(run_dir).train
-    proc = _start_train(workbench_cmd, run_dir, free_port(), "trainer.save_steps=1000")
-    try:
-        _wait_for_lines(train.metrics, 3, proc)
-        done = subprocess.run([*workbench_cmd, "stop", str(run_dir)], capture_output=True, text=True)
-        assert done.returncode == 0 and "STOP" in done.stdout
-        assert proc.wait(timeout=120) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    summary = json.loads(train.summary.read_text())
-    stopped = summary["stopped_early_at"]
-    assert 3 <= stopped < 400 and summary["steps"] == stopped
-    assert (train.checkpoints / f"checkpoint-{stopped}").is_dir()  # saved by the stop, not by save_steps
-    assert (train.final / "model.safetensors").exists()
+def test_stop_command_writes_the_flag_the_trainer_checks(tmp_path, workbench_cmd):
+    """`workbench stop RUN` writes RUN/train/STOP, the file the trainer's StopFlag callback reads after each step
+    (the trainer's side, checkpoint and early end, is tests/test_lab.py: the dashboard's Stop writes the same file)."""
+    from workbench.rundir import write_atomic
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    write_atomic(run.recipe, "name: smoke\n")
+    done = subprocess.run([*workbench_cmd, "stop", str(run.path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "STOP" in done.stdout, done.stderr
+    assert run.train.stop_flag.read_text().startswith("workbench stop at ")
+    from transformers import TrainerControl, TrainerState
+
+    from workbench.training.callbacks import StopFlag
+
+    state = TrainerState()
+    state.global_step = 7
+    control = StopFlag(run.train, log=lambda *_: None).on_step_end(None, state, TrainerControl())
+    assert control.should_save and control.should_training_stop  # checkpoint first, then end

@@ -109,13 +109,20 @@ def test_evaluation_notebook_runs_under_papermill(tmp_path, tiny_server):
     assert (run / "recipe.yaml").exists()  # a run root, with the recipe written once
 
 
-def test_offline_generation_notebook(tmp_path, tiny_model_dir):
+@pytest.mark.heavy
+@pytest.mark.timeout(240)
+def test_offline_generation_notebook_saves_its_answers_then_fails_loudly(tmp_path, tiny_model_dir):
+    """One engine, both outcomes: the answers are shown and saved, then the format check (asked for more than every
+    answer can give) fails the notebook, as a model that does not follow the format would."""
     import papermill
+    from papermill.exceptions import PapermillExecutionError
 
     out = tmp_path / "01.ipynb"
-    papermill.execute_notebook(str(NOTEBOOK_DIR / "01_offline_generation.ipynb"), str(out), kernel_name=kernel(),
-                               parameters={"num_prompts": 6, "run_dir": str(tmp_path / "run")}, cwd=str(tmp_path),
-                               progress_bar=False)
+    with pytest.raises(PapermillExecutionError, match="follow the answer format"):
+        papermill.execute_notebook(str(NOTEBOOK_DIR / "01_offline_generation.ipynb"), str(out), kernel_name=kernel(),
+                                   parameters={"num_prompts": 6, "min_format_rate": 1.01,
+                                               "run_dir": str(tmp_path / "run")},
+                                   cwd=str(tmp_path), progress_bar=False)
     outputs = outputs_of(out)
     assert "| question | completion | gold | correct |" in text_of(outputs, "text/markdown")
     saved = json.loads((tmp_path / "run" / "offline" / "offline.json").read_text())
@@ -126,18 +133,6 @@ def test_offline_generation_notebook(tmp_path, tiny_model_dir):
     again = OfflineResult.load(RunDir(tmp_path / "run").offline)  # the report reads it back the same way
     assert len(again.rows) == 6 and again.format_rate == saved["format_rate"] and again.completion_tokens > 0
     assert all("<answer>" in r["completion"] for r in saved["rows"] if r["format"] > 0)
-
-
-def test_offline_generation_notebook_fails_loudly(tmp_path, tiny_model_dir):
-    import papermill
-    from papermill.exceptions import PapermillExecutionError
-
-    out = tmp_path / "01.ipynb"
-    with pytest.raises(PapermillExecutionError, match="follow the answer format"):
-        papermill.execute_notebook(str(NOTEBOOK_DIR / "01_offline_generation.ipynb"), str(out),
-                                   kernel_name=kernel(), parameters={"num_prompts": 2, "min_format_rate": 1.01,
-                                                                     "run_dir": str(tmp_path / "run")},
-                                   cwd=str(tmp_path), progress_bar=False)
 
 
 def test_serving_notebook_attached_to_a_running_server(tmp_path, tiny_server):
@@ -158,14 +153,16 @@ def test_serving_notebook_attached_to_a_running_server(tmp_path, tiny_server):
     assert sweep["by_concurrency"]["8"]["requests_per_second"] > sweep["by_concurrency"]["1"]["requests_per_second"]
 
 
-@pytest.mark.parametrize("flag, value", [
-    ("-p", "trainer.max_steps=7 eval.max_tokens=32"),     # the README's form: one space-separated string
-    ("-p", '["trainer.max_steps=7", "eval.max_tokens=32"]'),  # a list, typed as text (-p passes a string)
-    ("-y", "overrides: [trainer.max_steps=7, eval.max_tokens=32]"),  # a real list, as YAML
+@pytest.mark.parametrize("flag, value, execute", [
+    ("-p", "trainer.max_steps=7 eval.max_tokens=32", True),     # the README's form: one space-separated string
+    ("-p", '["trainer.max_steps=7", "eval.max_tokens=32"]', False),  # a list, typed as text (-p passes a string)
+    ("-y", "overrides: [trainer.max_steps=7, eval.max_tokens=32]", False),  # a real list, as YAML
 ], ids=["p-words", "p-list-text", "y-list"])
-def test_papermill_cli_takes_overrides_the_obvious_ways(tmp_path, flag, value):
+def test_papermill_cli_takes_overrides_the_obvious_ways(tmp_path, flag, value, execute):
     """Exactly as a user types it: the papermill command line, on the cheapest notebook; the run's recipe.yaml
-    shows both overrides arrived."""
+    shows both overrides arrived. The README's form runs the notebook on its kernel; the other two forms stop after
+    papermill wrote its parameters cell (--prepare-only), which then runs with the notebook's own setup call here,
+    as the kernel would run them."""
     import subprocess
 
     import yaml
@@ -173,11 +170,19 @@ def test_papermill_cli_takes_overrides_the_obvious_ways(tmp_path, flag, value):
     from conftest import VENV_BIN
 
     papermill = VENV_BIN / "papermill"
-    run = tmp_path / "run"
+    run, out = tmp_path / "run", tmp_path / "out.ipynb"
     args = [flag, "overrides", value] if flag == "-p" else [flag, value]
-    done = subprocess.run([str(papermill), str(NOTEBOOK_DIR / "00_env_check.ipynb"), str(tmp_path / "out.ipynb"),
-                           "-k", kernel(), *args, "-p", "run_dir", str(run)],
+    done = subprocess.run([str(papermill), str(NOTEBOOK_DIR / "00_env_check.ipynb"), str(out), "-k", kernel(),
+                           *args, "-p", "run_dir", str(run), *([] if execute else ["--prepare-only"])],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
+    if not execute:
+        from workbench import notebook
+
+        nb = json.loads(out.read_text())
+        (cell,) = [c for c in nb["cells"] if "injected-parameters" in c["metadata"].get("tags", [])]
+        parameters: dict = {}
+        exec("".join(cell["source"]), parameters)
+        notebook.setup("cpu-tiny", parameters["overrides"], parameters["run_dir"])
     saved = yaml.safe_load((run / "recipe.yaml").read_text())
     assert saved["trainer"]["max_steps"] == 7 and saved["eval"]["max_tokens"] == 32

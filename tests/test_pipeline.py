@@ -4,14 +4,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import chromium, free_port
 from test_notebooks import outputs_of, text_of
 from workbench.recipe import yaml_load
 
@@ -32,6 +31,7 @@ def pipeline_run(tmp_path_factory, tiny_model_dir):
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "workbench"]
     env = {**os.environ, "WORKBENCH_TEST_API_KEY": SECRET}
     done = run_pipeline(cmd, runs, "env,smoke,train,eval", f"server.port={free_port()}", "trainer.max_steps=8",
+                        "trainer.per_device_train_batch_size=16",
                         "trainer.logging_steps=2", "trainer.save_steps=4", "eval.num_samples=24",
                         "monitor.sample_interval_s=0.5", env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -125,14 +125,6 @@ def test_report_is_self_contained(pipeline_run):
     assert external == []
 
 
-def _chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
 def _browse(browser: str, url: str, profile: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Open url headless with every network request sent to a local proxy that records it and answers 404."""
     import http.server
@@ -177,10 +169,7 @@ def test_report_renders_in_headless_chromium_without_network(pipeline_run, tmp_p
 
     from PIL import Image
 
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("NO CHROMIUM on this machine: the report was not checked in a browser "
-                    "(.ci/run installs Debian's chromium package; `apt-get install chromium` here)")
+    browser = chromium()
     run_dir, _ = pipeline_run
     url = (run_dir / "report.html").resolve().as_uri()
     # Chromium phones home by itself (www/accounts.google.com) even for a blank page: measure that first, so
@@ -206,9 +195,7 @@ def test_report_renders_in_headless_chromium_without_network(pipeline_run, tmp_p
 
 
 def test_the_network_check_catches_an_external_resource(tmp_path):
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("NO CHROMIUM on this machine")
+    browser = chromium()
     page = tmp_path / "leaky.html"
     page.write_text("<html><body><img src='http://cdn.example.org/plot.png'></body></html>")
     _, seen = _browse(browser, page.as_uri(), tmp_path / "p", "--dump-dom")

@@ -12,6 +12,7 @@ import pytest
 from conftest import free_port, workbench_command
 from workbench import recipe
 from workbench.errors import WorkbenchError
+from workbench.evaluation.evaluate import Evaluation
 from workbench.evaluation.protocol import Candidate, Outcome, Protocol, parse_candidate
 from workbench.rundir import RunDir
 from workbench.tasks import dataset
@@ -112,15 +113,18 @@ def test_bad_protocols_fail_before_any_training(extra, message, tmp_path):
     assert list(tmp_path.iterdir()) == []  # no protocol directory, no training
 
 
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
 def test_protocol_chooses_on_validation_and_reports_on_test(tiny_model_dir, tmp_path):
     """Two settings (the recipe and a candidate), smoke-sized trainings, for real: each trained with the choice's
     seed and scored on the validation split; the picked model scored on the test split (shown, not counted); the
-    chosen setting trained afresh with a test seed and scored on the test split (the result)."""
+    chosen setting trained afresh with a test seed and scored on the test split (the result). Every model is
+    scored once per split, and the whole protocol runs on one server."""
     port = free_port()
     cmd = workbench_command() + ["protocol", "--recipe", "smoke", "--choose-seed", "3", "--seeds", "4",
                                  "--candidate", "lr-high: trainer.learning_rate=1e-3",
                                  f"server.port={port}", "eval.num_samples=12", f"monitor.runs_dir={tmp_path}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [protocol_run] = [p for p in tmp_path.iterdir() if p.name.endswith("-protocol")]
     stage = RunDir(protocol_run).protocol
@@ -135,21 +139,41 @@ def test_protocol_chooses_on_validation_and_reports_on_test(tiny_model_dir, tmp_
     [test] = result["test"]
     assert (test["seed"], test["split"], test["candidate"]) == (4, "heldout", result["chosen"])
     assert test["run"] not in {o["run"] for o in result["validation"]}  # trained afresh
-    assert test["base"] == picked["base"]  # one base model, one test split
+    assert test["base"] == picked["base"] == result["base"]["heldout"]  # one base model, one test split
+    assert {o["base"] for o in result["validation"]} == {result["base"]["validation"]}
     assert result["test_gain_mean"] == pytest.approx(test["trained"] - test["base"])
+    assert [t["label"] for t in result["trainings"]] == ["c0-seed3-validation", "c1-seed3-validation",
+                                                         f"c{[c['name'] for c in result['candidates']].index(result['chosen'])}-seed4-heldout"]
 
-    # how each training was seeded and what each evaluation scored, read from the runs themselves
+    # each split evaluated once, every model in it once: the base and the split's trained models
+    evaluations = {split: Evaluation.load(RunDir(stage.runs / f"eval-{split}").eval) for split in ("validation", "heldout")}
+    assert [s.model for s in evaluations["validation"].summaries] == ["base", "c0-seed3-validation",
+                                                                      "c1-seed3-validation"]
+    index = [c["name"] for c in result["candidates"]].index(result["chosen"])
+    assert [s.model for s in evaluations["heldout"].summaries] == ["base", f"c{index}-seed4-heldout",
+                                                                   f"c{index}-seed3-heldout"]
+    for split, ev in evaluations.items():
+        assert {s.split for s in ev.summaries} == {split} and len(ev.samples) == 12 * len(ev.summaries)
+    by_label = {**{o["run"]: o for o in result["validation"]}}
+    assert by_label[best["run"]]["trained"] == evaluations["validation"].by_model()[
+        f"c{index}-seed3-validation"].accuracy_mean
+    # one server for the whole protocol: started once, shared by the trainings, loaded with each evaluated model
+    assert len(list((stage.path / "server").glob("vllm-server-*.log"))) == 1
+    assert list(stage.runs.rglob("vllm-server-*.log")) == []
+
+    # how each training was seeded, read from the runs themselves; each run's own evaluation (base and trained)
     for o in result["validation"] + result["test"]:
         assert recipe.load(str(RunDir(o["run"]).recipe)).trainer.get("seed") == o["seed"]
-    samples = sorted(stage.runs.rglob("samples.jsonl"))
-    assert len(samples) == 4  # two validation runs, the picked model on test, the test run
-    for path in samples:
+    own = sorted(p for p in stage.runs.rglob("samples.jsonl") if not p.parent.parent.name.startswith("eval-"))
+    assert len(own) == 4  # two validation runs, the picked model on test, the test run
+    for path in own:
         split = "validation" if "-validation" in str(path.relative_to(stage.runs)).split("/")[0] else "heldout"
-        ids = {json.loads(line)["id"] for line in path.read_text().splitlines()}
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert sorted({r["model"] for r in rows}) == ["base", "trained"]
+        ids = {r["id"] for r in rows}
         assert len(ids) == 12 and all(i.startswith(f"arith-{split}-") for i in ids), (path, sorted(ids)[:3])
         assert {m["split"] for m in json.loads((path.parent / "summary.json").read_text())} == {split}
-    # `workbench eval` (the picked model) leaves the problem-by-problem analysis as the pipeline's evaluation does
-    assert sorted(p.parent for p in stage.runs.rglob("analysis.json")) == sorted(p.parent for p in samples)
+        assert (path.parent / "analysis.json").exists() and (path.parent.parent / "report.html").exists()
     table = stage.table.read_text()
     assert "Settings chosen on the validation split" in table and result["headline"] in table
     assert result["headline"] in out.stdout
@@ -157,45 +181,68 @@ def test_protocol_chooses_on_validation_and_reports_on_test(tiny_model_dir, tmp_
 
 def test_resume_keeps_what_was_recorded_and_redoes_the_interrupted(monkeypatch, tmp_path):
     """The orchestration over many hours: a protocol killed during a training continues with --resume, keeps the
-    trainings it recorded, sets the interrupted one aside and runs it again, and takes more test seeds. The
-    trainings here are `workbench` calls answered with their result files (the real ones are above)."""
+    trainings it recorded, sets the interrupted one aside and runs it again, and takes more test seeds; each split's
+    base is scored once. The trainings here are `workbench` calls answered with their result files, the
+    evaluations scores by label (the real ones are above)."""
     from workbench.evaluation import protocol
-    from workbench.evaluation.evaluate import Summary
+    from workbench.evaluation.evaluate import Evaluation, Summary
+    from workbench.serving import shared
+    from workbench.tasks import tinymodel
 
-    calls = []
+    calls, scored = [], []
     accuracy = {"recipe": 0.6, "lr-high": 0.7}
 
     def fake_workbench(args, log):
         calls.append(args)
         opts = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("--"))
         runs_dir = Path(opts["monitor.runs_dir"])
-        if len(calls) == 3:  # the third call dies half-way, as a killed process would
+        if len(calls) == 3:  # the third training dies half-way, as a killed process would
             (runs_dir / "half-written").mkdir(parents=True)
             raise KeyboardInterrupt
         run = RunDir(runs_dir / f"run-{len(calls)}")
-        run.eval.make()
-        name = "lr-high" if "trainer.learning_rate=1e-3" in args else "recipe"
-        summaries = [Summary("base", "", 12, 1, accuracy_mean=0.5, split=opts["eval.split"]),
-                     Summary("trained", "", 12, 1, accuracy_mean=accuracy[name], split=opts["eval.split"])]
-        run.eval.summary.write_text(json.dumps([s.__dict__ for s in summaries]))
-        if args[0] == "run":
-            run.train.make()
-            run.train.summary.write_text(json.dumps({"train_seconds": 10.0}))
+        run.train.make()
+        run.train.summary.write_text(json.dumps({"train_seconds": 10.0}))
+        run.train.final.mkdir()
+        (run.train.final / "model.safetensors").write_bytes(b"")
+        (run.path / "recipe.yaml").write_text("name: smoke\n")
+        (run.train.final / "candidate").write_text("lr-high" if "trainer.learning_rate=1e-3" in args else "recipe")
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text("ok")
 
+    def fake_evaluate(rr, models, stage, server, log):
+        scored.append((rr.recipe.eval.split, list(models)))
+        summaries = [Summary(label, path, 12, 1, accuracy_mean=0.5 if label == "base" else
+                             accuracy[(Path(path) / "candidate").read_text()], split=rr.recipe.eval.split)
+                     for label, path in models.items()]
+        evaluation = Evaluation(summaries, [])
+        evaluation.save(stage)
+        return evaluation
+
     monkeypatch.setattr(protocol, "_workbench", fake_workbench)
+    monkeypatch.setattr(protocol, "_evaluate", fake_evaluate)
+    monkeypatch.setattr(shared.SharedServer, "open", lambda self, rr, model: None)  # no server in this test
+    monkeypatch.setattr(tinymodel, "ensure_model", lambda rr, log=print: "/no/model")
     lr_high = protocol.Candidate("lr-high", ["trainer.learning_rate=1e-3"])
-    with pytest.raises(KeyboardInterrupt):  # killed during the picked model's test evaluation
+    with pytest.raises(KeyboardInterrupt):  # killed during the first test training
         protocol.run("smoke", [lr_high], 0, [1], [f"monitor.runs_dir={tmp_path}"], log=lambda *_: None)
     [run_dir] = list(tmp_path.iterdir())
     kept = json.loads(RunDir(run_dir).protocol.json.read_text())
     assert [o["candidate"] for o in kept["validation"]] == ["recipe", "lr-high"] and kept["selected"] is None
+    assert scored == [("validation", ["base", "c0-seed0-validation", "c1-seed0-validation"])]
 
     result, _ = protocol.run("", [], 0, [2], resume=run_dir, log=lambda *_: None)
-    assert [a[0] for a in calls] == ["run", "run", "eval", "eval", "run", "run"]  # nothing recorded is redone
+    assert [a[0] for a in calls] == ["train"] * 5  # nothing recorded is trained again; the killed one is
+    assert [a[-1].rsplit("/", 1)[1] for a in calls[2:]] == ["c1-seed1-heldout", "c1-seed1-heldout",
+                                                            "c1-seed2-heldout"]
+    # the test split once, its base once, with the picked model and both seeds
+    assert scored[1:] == [("heldout", ["base", "c1-seed1-heldout", "c1-seed2-heldout", "c1-seed0-heldout"])]
     assert result.chosen == "lr-high" and result.selected.seed == 0
     assert [o.seed for o in result.test] == [1, 2] and result.seeds == [1, 2]
     assert result.to_json()["test_gain_mean"] == pytest.approx(0.2)
     aside = [p.name for p in RunDir(run_dir).protocol.runs.iterdir() if "incomplete" in p.name]
-    assert aside == ["c1-seed0-heldout.incomplete"]
+    assert aside == ["c1-seed1-heldout.incomplete"]
+
+    # a later --resume with one more seed: its model alone is scored; the test split's base is not scored again
+    result, _ = protocol.run("", [], 0, [3], resume=run_dir, log=lambda *_: None)
+    assert scored[2:] == [("heldout", ["c1-seed3-heldout"])] and [o.seed for o in result.test] == [1, 2, 3]
+    assert {o.base for o in result.test} == {0.5}

@@ -77,6 +77,8 @@ def test_constant_and_signal_free_rewards_are_flagged(tmp_path, monkeypatch):
     assert math.isnan(lab.table().loc["one", "corr_length"])
 
 
+@pytest.mark.heavy
+@pytest.mark.timeout(240)
 def test_fresh_offline_generation_is_scored(tmp_path, tiny_model_dir):
     import subprocess
     import sys

@@ -1,11 +1,21 @@
-"""Weight sync, for real on the CPU (reload, none) and against a recording fake of vllm-ascend's engine (hccl)."""
+"""Weight sync, for real on the CPU (reload, none) and against a recording fake of vllm-ascend's engine (hccl).
+
+The trainings here push into the session's shared server (conftest's tiny_server): conftest's `restored_server`
+puts the base model's weights back after each such test and checks that the server answers as the base model
+again, so the tests that only read that server see what it started with, in any order.
+
+Exact sync is asserted at EXACT (1e-4 nats a token): the reload adapter moves float32 weights bit for bit, and what is
+left between the server's and the trainer's log-probs is kernel rounding (about 1e-6 here), far below the
+canary's warning level (2e-3) and its stop level (2e-2)."""
 import json
 import math
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
+from conftest import EXACT, mean_abs as _mean_abs, model_logprobs as _model_logprobs
 from workbench import recipe
 from workbench.serving import sync
 from workbench.serving.client import sequence_logprobs
@@ -13,7 +23,17 @@ from workbench.training.callbacks import JsonlMetrics
 from workbench.training.trainer import build_trainer
 
 
-def _trainer(server_recipe, tiny_model_dir, tmp_path, weight_sync, **overrides):
+@pytest.fixture
+def closing():
+    """Trainers built in this process: their clients closed at the end (the reload adapter's copy of the weights in
+    RAM goes with them), as `workbench train` closes its own."""
+    built = []
+    yield built
+    for trainer in built:
+        trainer.vllm_generation.vllm_client.close_communicator()
+
+
+def _trainer(server_recipe, tiny_model_dir, tmp_path, weight_sync, closing=None, **overrides):
     # sync mechanics, not learning: full rate from step 1 (no warm-up) and TRL's server-vs-trainer log-prob check on
     r = recipe.load(server_recipe, {"trainer.learning_rate": 3e-3, "trainer.logging_steps": 1,
                                     "trainer.warmup_steps": 0, "trainer.lr_scheduler_type": "constant",
@@ -21,6 +41,8 @@ def _trainer(server_recipe, tiny_model_dir, tmp_path, weight_sync, **overrides):
                                     "trainer.save_strategy": "no", "trainer.log_completions": False, **overrides})
     trainer = build_trainer(recipe.resolve(r, platform="cpu"), str(tiny_model_dir), tmp_path / "out", weight_sync)
     trainer.add_callback(JsonlMetrics(tmp_path / "metrics.jsonl"))
+    if closing is not None:
+        closing.append(trainer)
     return trainer
 
 
@@ -31,31 +53,10 @@ def _fixed_sequence(trainer) -> list[int]:
     return tok(prompt + "47 + 35: 7+5=12, 4+3+1=8. <answer>82</answer><|im_end|>", add_special_tokens=False)["input_ids"]
 
 
-def _model_logprobs(model, ids) -> list[float]:
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-
-
-def _mean_abs(a, b) -> float:
-    return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
-
-
-def _reset_server_weights(tiny_server, tiny_model_dir):
-    """Push the base model's weights, as a fresh trainer's first sync would."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    client = sync.SyncingVLLMClient(base_url=tiny_server.url,
-                                    weight_sync=sync.ReloadSync(aliases=sync.tied_aliases(model)))
-    client.init_communicator()
-    client.update_named_params([], iter(model.named_parameters()))
-    client.reset_prefix_cache()
-
-
-def test_reload_sync_puts_the_trained_weights_on_the_server(tiny_server, server_recipe, server_rr, tiny_model_dir,
-                                                            tmp_path):
-    trainer = _trainer(server_recipe, tiny_model_dir, tmp_path, sync.ReloadSync(tmp_path / "sync"),
+def test_reload_sync_puts_the_trained_weights_on_the_server(restored_server, server_recipe, server_rr, tiny_model_dir,
+                                                            tmp_path, closing):
+    tiny_server = restored_server
+    trainer = _trainer(server_recipe, tiny_model_dir, tmp_path, sync.ReloadSync(tmp_path / "sync"), closing,
                        **{"trainer.max_steps": 1})
     ids = _fixed_sequence(trainer)
     before = _model_logprobs(trainer.model, ids)
@@ -65,7 +66,7 @@ def test_reload_sync_puts_the_trained_weights_on_the_server(tiny_server, server_
     trainer.vllm_generation.sync_weights()  # the push TRL makes before the next generation
     after = _model_logprobs(trainer.model, ids)
     served = sequence_logprobs(server_rr, ids, url=tiny_server.url)
-    assert _mean_abs(served, after) < 0.05, "server does not hold the trainer's weights"
+    assert _mean_abs(served, after) < EXACT, "server does not hold the trainer's weights"
     assert _mean_abs(served, before) > 0.1, "the step did not move the weights enough to tell"
     assert _mean_abs(before, after) > 0.1
     # every push was timed and sized: 1.27M float32 parameters (tied embeddings sent once)
@@ -84,18 +85,17 @@ def _logp_difference(path) -> list[float]:
     return [r["sampling/sampling_logp_difference/mean"] for r in rows if "sampling/sampling_logp_difference/mean" in r]
 
 
-def test_without_sync_rollouts_drift_off_policy(tiny_server, server_recipe, tiny_model_dir, tmp_path):
-    steps = {"trainer.max_steps": 6, "trainer.learning_rate": 1e-3}
-    _reset_server_weights(tiny_server, tiny_model_dir)
+def test_without_sync_rollouts_drift_off_policy(restored_server, server_recipe, tiny_model_dir, tmp_path, closing):
+    steps = {"trainer.max_steps": 4, "trainer.learning_rate": 1e-3}
     with pytest.warns(UserWarning, match="off-policy"):
-        off = _trainer(server_recipe, tiny_model_dir, tmp_path / "none", sync.NoSync(), **steps)
+        off = _trainer(server_recipe, tiny_model_dir, tmp_path / "none", sync.NoSync(), closing, **steps)
     off.train()
-    on = _trainer(server_recipe, tiny_model_dir, tmp_path / "reload", sync.ReloadSync(), **steps)
+    on = _trainer(server_recipe, tiny_model_dir, tmp_path / "reload", sync.ReloadSync(), closing, **steps)
     on.train()
     drift, kept = _logp_difference(tmp_path / "none" / "metrics.jsonl"), _logp_difference(tmp_path / "reload" / "metrics.jsonl")
-    assert len(drift) == len(kept) == 6
-    assert max(kept) < 0.01, kept
-    assert drift[0] < 0.01  # step 1: the server still has the initial weights, which are the trainer's
+    assert len(drift) == len(kept) == 4
+    assert max(kept) < EXACT, kept
+    assert drift[0] < EXACT  # step 1: the server still has the initial weights, which are the trainer's
     # from step 2 on the trainer has moved and the server has not: every step is off-policy
     assert min(drift[1:]) > 0.02 and min(drift[1:]) > 100 * max(kept), drift
 
@@ -168,24 +168,28 @@ def test_hccl_without_vllm_ascend_says_what_to_install():
 
 
 def test_smoke_run_through_the_server(smoke_run):
-    run, port = smoke_run
+    run, url = smoke_run
     train_dir = run.train  # `workbench train` keeps its training files in RUN/train/
     logs = [json.loads(line) for line in train_dir.metrics.read_text().splitlines()]
     steps = [r for r in logs if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and "reward" in r and "kl" in r for r in steps)
     assert all(r["sync/count"] >= 1 and r["sync/seconds"] > 0 for r in steps)
-    prom = train_dir.server_metrics.read_text()
-    served = sum(float(line.rsplit(" ", 1)[1]) for line in prom.splitlines()
-                 if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' not in line)
-    assert served >= 3  # one prompt x 2 generations per step, 3 steps
+    from workbench.observe import scraper
+
+    served = scraper.parse(train_dir.server_metrics.read_text())  # the server's own counters, at the run's end
+    # what the steps asked for: 2 prompts x 4 generations a step, 3 steps; apart from the canary's one-token probes
+    # (4 probe sequences, checked after the first push only: canary_every is 10)
+    assert (served["generation_prompts"], served["generation_sequences"]) == (6, 24), served
+    assert served["probe_requests"] == 4, served
     assert (train_dir.final / "model.safetensors").exists() and (train_dir.final / "tokenizer.json").exists()
     assert (train_dir.checkpoints / "checkpoint-3").is_dir()
     assert run.recipe.is_file()  # the run's recipe at its root, the training below it
     summary = json.loads(train_dir.summary.read_text())
     assert summary["steps"] == 3 and summary["weight_sync"] == "reload"
-    import psutil
-    assert not [p for p in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(p.info["cmdline"] or [])]
+    # attached: the run started no server of its own and left the one it trained on serving
+    assert not list(train_dir.path.glob("vllm-server-*.log"))
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
 
 
 def test_training_pins_to_trainer_cores_and_gives_them_back():
