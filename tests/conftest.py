@@ -7,9 +7,12 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from workbench.rundir import RunDir
 
 pytest_plugins = ("harness",)
 
@@ -25,18 +28,18 @@ FIXTURE_BUDGETS = {
     "tiny_server": 180,
     "smoke_run": 300,          # attached to tiny_server: its budget comes on top when it is not up yet
     "grouped_run": 300,
-    "killed_run": 600,
+    "killed_run": 900,         # four server starts, a hang's timeout, 14 steps
     "two_model_eval": 300,
     "pipeline_run": 900,
     "bench_run": 900,          # tests/test_bench.py
     "two_rank_run": 600,       # tests/test_distributed.py
     "shared_owner": 180,       # tests/test_shared_server.py: restarts tiny_server
     "row_python": 900,         # tests/test_contract.py: instant once `make contract-env` made it
-    "contract_server": 600,    # tests/test_contract.py: vLLM 0.23.0 starts in about 2 minutes on 2 busy cores
+    "contract_servers": 600,   # tests/test_contract.py: vLLM 0.23.0 starts in about 2 minutes on 2 busy cores
 }
 # Fixtures that start a vLLM server or engine, or train: a test using one is `heavy` (make test-fast skips it).
 HEAVY_FIXTURES = {"tiny_server", "smoke_run", "grouped_run", "killed_run", "two_model_eval", "pipeline_run",
-                  "bench_run", "two_rank_run", "shared_owner", "contract_server", "row_python"}
+                  "bench_run", "two_rank_run", "shared_owner", "contract_servers", "row_python"}
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
@@ -221,56 +224,87 @@ def steps_logged(train_dir) -> list[int]:
     return [r["step"] for r in read_jsonl(Path(train_dir) / "metrics.jsonl") if "loss" in r]
 
 
+@dataclass
+class KilledRun:
+    """What `killed_run` went through: the run as the trainer's kill left it (a copy), the run after its resume."""
+    as_killed: RunDir
+    run: RunDir
+    crashed: int  # the pid of the first server, SIGKILLed with its whole group at step 3 (a crash)
+    hung: int  # the pid of its replacement, SIGSTOPped at step 7 (a hang)
+    reached: int  # the last step logged before the trainer's SIGKILL
+    checkpoint: int  # the newest complete checkpoint then: where the resume continues
+
+
+def _server_of(pid: int):
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        if "workbench.serving.vllm_cpu" in " ".join(child.cmdline()):
+            return child
+    raise AssertionError("no vLLM server among the run's processes")
+
+
 @pytest.fixture(scope="session")
-def killed_run(tmp_path_factory, tiny_model_dir):
-    """`workbench train --recipe smoke` SIGKILLed after its checkpoint at step 4 (at step 6 or later: the trainer
-    dies without any clean-up of its own, its server follows), then `workbench train --resume`d to the end.
-    Returns (a copy of the run as the kill left it, the run after the resume, the last step logged before the kill).
-    Readers of the killed run (tests/test_monitor.py) and of the resume (tests/test_faults.py) share it."""
+def killed_run(tmp_path_factory, tiny_model_dir) -> KilledRun:
+    """A long run's faults, in one `workbench train --recipe smoke` of 14 steps, for real: its server SIGKILLed
+    (group and all) at step 3, a crash; the replacement SIGSTOPped at step 7, a hang (alive, listening, silent: the
+    trainer's requests time out after server.request_timeout_s=10); then, past the checkpoint at step 8, the trainer
+    itself SIGKILLed, as the OOM killer would (no clean-up of its own; its server must follow it); and `workbench
+    train --resume` to the end. tests/test_faults.py reads the restarts and the resume, tests/test_monitor.py the
+    run as the kill left it, tests/test_compare.py the finished run."""
     import json
     import signal
     import subprocess
 
-    import psutil
-
-    from workbench.rundir import RunDir
+    from workbench.serving.server import group_members
 
     root = tmp_path_factory.mktemp("killed")
     runs, log = root / "runs", root / "train.log"
     args = ["train", "--recipe", "smoke", f"server.port={free_port()}", f"monitor.runs_dir={runs}",
-            "trainer.max_steps=12", "trainer.save_steps=4", "monitor.sample_interval_s=0.25", *FAST]
+            "trainer.max_steps=14", "trainer.save_steps=4", "server.request_timeout_s=10",
+            "monitor.sample_interval_s=0.25", *FAST]
+
+    def train_dir() -> Path | None:
+        found = list(runs.glob("*/train")) if runs.exists() else []
+        return found[0] if found else None
+
+    def at_step(n: int) -> bool:
+        return train_dir() is not None and max(steps_logged(train_dir()), default=0) >= n
+
     with open(log, "w") as out:  # a file: a pipe nobody reads would block the trainer in a progress-bar write
         proc = subprocess.Popen([*workbench_command(), *args], stdout=out, stderr=subprocess.STDOUT)
     try:
-        def past_checkpoint() -> bool:
-            found = list(runs.glob("*/train")) if runs.exists() else []
-            return bool(found) and (found[0] / "checkpoints" / "checkpoint-4" / "trainer_state.json").exists() \
-                and max(steps_logged(found[0]), default=0) >= 6
-        wait_for(past_checkpoint, 400, proc, "step 6", log)
-        server = next(c for c in psutil.Process(proc.pid).children(recursive=True)
-                      if "workbench.serving.vllm_cpu" in " ".join(c.cmdline()))
-        pgid = os.getpgid(server.pid)  # the server's group: started with setsid, its processes share it
+        wait_for(lambda: at_step(3), 400, proc, "step 3", log)
+        crashed = _server_of(proc.pid).pid
+        os.killpg(os.getpgid(crashed), signal.SIGKILL)  # the whole server: API process, engine core, worker
+        wait_for(lambda: at_step(7) and _server_of(proc.pid).pid != crashed, 400, proc, "step 7", log)
+        hung = _server_of(proc.pid).pid
+        os.killpg(os.getpgid(hung), signal.SIGSTOP)
+        wait_for(lambda: at_step(9) and (train_dir() / "checkpoints" / "checkpoint-8" / "trainer_state.json").exists(),
+                 400, proc, "step 9 past the checkpoint at step 8", log)
+        server = _server_of(proc.pid)
+        pgid = os.getpgid(server.pid)  # the third server's group: started with setsid, its processes share it
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    assert proc.returncode == -signal.SIGKILL, log.read_text(errors="replace")[-3000:]
     # the server's whole group follows its parent (PR_SET_PDEATHSIG, the launcher's parent watch): a notebook kernel
     # or a `workbench train` killed by the OOM killer leaves no server behind
-    from workbench.serving.server import group_members
-
     wait_for(lambda: group_members(pgid) == [], 60, what="the killed trainer's server to end")
-    (run_dir,) = runs.iterdir()
+    run_dir = train_dir().parent
     reached = max(steps_logged(run_dir / "train"))
+    checkpoint = max(int(p.parent.name.rsplit("-", 1)[1])
+                     for p in (run_dir / "train" / "checkpoints").glob("checkpoint-*/trainer_state.json"))
     killed = Path(shutil.copytree(run_dir, root / "as-killed" / run_dir.name,
                                   ignore=shutil.ignore_patterns("checkpoints", "final")))
     out = subprocess.run([*workbench_command(), "train", "--resume", str(run_dir)], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads((run_dir / "train" / "train.json").read_text())["steps"] == 12
-    return RunDir(killed), RunDir(run_dir), reached
+    assert json.loads((run_dir / "train" / "train.json").read_text())["steps"] == 14
+    return KilledRun(RunDir(killed), RunDir(run_dir), crashed, hung, reached, checkpoint)
 
 
 @pytest.fixture(scope="session")
@@ -287,13 +321,13 @@ def weaker_model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def two_model_eval(server_recipe, tiny_model_dir, weaker_model_dir, tmp_path_factory):
-    """`evaluate.evaluate` of two models for real, each served and scored: the weaker model as "base", the tiny
-    model as "trained"; 48 problems, two repeats, sampled at temperature 1 (so a problem's repeats can disagree).
+    """`evaluate.evaluate` of two models for real: the weaker model as "base" on a server started with it, the tiny
+    model as "trained" loaded into that server; 48 problems, two repeats, sampled at temperature 1 (so a problem's
+    repeats can disagree).
     Returns (its run directory, the recipe it ran with). tests/test_evaluate.py reads its outputs,
     tests/test_eval_analysis.py its per-problem analysis."""
     from workbench import recipe
     from workbench.evaluation import evaluate
-    from workbench.rundir import RunDir
 
     r = recipe.load(server_recipe, {"eval.num_samples": 48, "eval.repeats": 2, "eval.temperature": 1.0,
                                     "server.port": free_port()})
@@ -327,8 +361,6 @@ def smoke_run(tmp_path_factory, tiny_server, server_rr, tiny_model_dir):
     whose base weights go back afterwards. Returns (RunDir, the server's URL). The readers of a finished training
     share it: the sync, monitor, architecture, evaluation, groups, reward-lab and comparison tests."""
     import subprocess
-
-    from workbench.rundir import RunDir
 
     project = tmp_path_factory.mktemp("project")  # the user's project: its own rewards module, the working dir
     (project / "lab_rewards.py").write_text(LAB_REWARDS)

@@ -251,6 +251,11 @@ def pytest_report_header(config) -> str:
     return f"workbench suite: order {order}" + (f" (seed {config.option.order_seed})" if order != "as-written" else "")
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if config.getoption("--order") != "as-written":  # also under -q, which hides the header: a failing order repeats
+        terminalreporter.write_line(pytest_report_header(config) + f": rerun with --order-seed {config.option.order_seed}")
+
+
 def reorder(items: list, how: str, seed: int) -> list:
     """Files (modules) and the tests inside each, in the order asked for."""
     if how == "as-written":

@@ -1,8 +1,8 @@
 """Run comparison (workbench/observe/compare.py, `workbench compare`, `workbench tag`, notebook 07_compare).
 
 The acceptance test: two real short trainings (`workbench train --recipe smoke`: the session's `smoke_run`, with a
-reward of the user's own and the user's tracker, attached to the session's server, and its `killed_run`, 12 steps at
-a higher learning rate on a server of its own, killed and resumed), compared: the differing recipe keys are exactly the ones their command lines changed, both runs'
+reward of the user's own and the user's tracker, attached to the session's server, and its `killed_run`, 14 steps at
+a higher learning rate on a server of its own, through a server crash, a hang, a kill and a resume), compared: the differing recipe keys are exactly the ones their command lines changed, both runs'
 curves are there, the CLI writes its files, tags label the runs, and the notebook runs through papermill. The first
 tests use small hand-made run directories and need no training.
 """
@@ -25,7 +25,8 @@ from workbench.rundir import RunDir
 PNG = b"\x89PNG\r\n\x1a\n"
 # what the two real runs' command lines set differently (conftest's SMOKE_RUN and killed_run), as compare flattens it
 CHANGED = {"trainer.report_to": ("tensorboard", "none"), "trainer.learning_rate": (5e-5, 3e-3),
-           "trainer.max_steps": (3, 12), "trainer.save_steps": (3, 4), "monitor.canary_every": (10, 1),
+           "trainer.max_steps": (3, 14), "trainer.save_steps": (3, 4), "monitor.canary_every": (10, 1),
+           "server.request_timeout_s": (600.0, 10.0),
            "monitor.groups_per_step": (8, 16), "monitor.sample_interval_s": (1.0, 0.25),
            "rewards.short.function": ("lab_rewards:brevity", compare.ABSENT), "rewards.short.weight": (0.1, compare.ABSENT),
            "rewards.short.args.limit": (60, compare.ABSENT), "server.mode": ("attach", "managed"),
@@ -143,7 +144,7 @@ def pair(smoke_run, killed_run, tmp_path_factory):
     """Copies of the two runs without their model weights (tags written by the tests stay off the originals)."""
     root = tmp_path_factory.mktemp("pair")
     skip = shutil.ignore_patterns("final", "checkpoints*")
-    return tuple(shutil.copytree(run.path, root / run.path.name, ignore=skip) for run in (smoke_run[0], killed_run[1]))
+    return tuple(shutil.copytree(run.path, root / run.path.name, ignore=skip) for run in (smoke_run[0], killed_run.run))
 
 
 def test_two_real_runs_differ_in_exactly_the_changed_keys(pair, smoke_run):
@@ -162,7 +163,7 @@ def test_two_real_runs_curves_and_outcomes(pair, tmp_path):
     a, b = runs.labels
     metrics = runs.metrics
     assert {label: sorted(metrics.loc[metrics["run"] == label, "step"]) for label in runs.labels} == \
-        {a: [1, 2, 3], b: list(range(1, 13))}
+        {a: [1, 2, 3], b: list(range(1, 15))}
     assert metrics[["reward", "kl", "loss", "completions/mean_length", "time/step"]].notna().all().all()
 
     fig = compare.curves_figure(runs, "reward,kl,length,step_time", tmp_path / "curves.png")
@@ -176,7 +177,7 @@ def test_two_real_runs_curves_and_outcomes(pair, tmp_path):
             assert list(line.get_ydata()) == metrics.loc[metrics["run"] == label, key].tolist()
 
     out = compare.outcomes(runs)
-    assert list(out.index) == [a, b] and out["steps"].tolist() == [3, 12]
+    assert list(out.index) == [a, b] and out["steps"].tolist() == [3, 14]
     assert (out["train_seconds"] > 0).all() and (out["step_seconds"] > 0).all()
     assert out["reward_last"].notna().all()
     assert out["accuracy_before"].isna().all()  # `workbench train` alone does not evaluate
@@ -195,7 +196,7 @@ def test_two_real_runs_curves_and_outcomes(pair, tmp_path):
 def test_cli_tag_and_compare_write_their_files(pair, tmp_path):
     a, b = (shutil.copytree(p, tmp_path / p.name) for p in pair)
     cmd = workbench_command()
-    tagged = subprocess.run([*cmd, "tag", str(b), "lr-high", "--note", "learning rate 3e-3, 12 steps"],
+    tagged = subprocess.run([*cmd, "tag", str(b), "lr-high", "--note", "learning rate 3e-3, 14 steps"],
                             capture_output=True, text=True, timeout=120)
     assert tagged.returncode == 0, tagged.stderr
     assert json.loads(RunDir(b).tag.read_text())["name"] == "lr-high"
@@ -203,15 +204,15 @@ def test_cli_tag_and_compare_write_their_files(pair, tmp_path):
     out = subprocess.run([*cmd, "compare", str(a), str(b), "--out", str(tmp_path / "cmp")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    for text in ("lr-high", a.name, "learning rate 3e-3, 12 steps", "| trainer.learning_rate |",
-                 "| trainer.max_steps | 3 | 12 |", "→ steps", "→ step_seconds"):
+    for text in ("lr-high", a.name, "learning rate 3e-3, 14 steps", "| trainer.learning_rate |",
+                 "| trainer.max_steps | 3 | 14 |", "→ steps", "→ step_seconds"):
         assert text in out.stdout, (text, out.stdout)
     assert "server.port |" not in out.stdout and "monitor.runs_dir |" not in out.stdout
     saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert [r["label"] for r in saved["runs"]] == [a.name, "lr-high"]
     assert set(saved["differing_keys"]) == set(CHANGED)
-    assert saved["differing_keys"]["trainer.max_steps"] == {a.name: 3, "lr-high": 12}
-    assert [o["steps"] for o in saved["outcomes"]] == [3, 12]
+    assert saved["differing_keys"]["trainer.max_steps"] == {a.name: 3, "lr-high": 14}
+    assert [o["steps"] for o in saved["outcomes"]] == [3, 14]
     assert (tmp_path / "cmp" / "compare.png").read_bytes()[:8] == PNG
     table = (tmp_path / "cmp" / "compare.md").read_text()
     assert "**lr-high**" in table and "| trainer.learning_rate |" in table and "![curves](compare.png)" in table

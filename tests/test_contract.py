@@ -254,9 +254,12 @@ for packed in (True, False):
                                           shapes=[[3, 4], [5], []], packed=packed, packed_buffer_size_bytes=16)
     g.receive_weights(info, group, lambda pairs: got.update({{n + str(packed): t.clone() for n, t in pairs}}))
 torch.save(got, sys.argv[1])
+group.destroy()  # before the interpreter's exit: gloo's threads torn down at exit can abort the process
+del group
 """
     out = tmp_path / "received.pt"
     receiver = subprocess.Popen([sys.executable, "-c", script, str(out)])
+    group = None
     try:
         group = gloo_engine.GlooTrainerEngine.trainer_init({"master_address": "127.0.0.1", "master_port": port,
                                                             "world_size": 2, "rank_offset": 1})
@@ -271,6 +274,9 @@ torch.save(got, sys.argv[1])
                 assert torch.equal(got[name + str(packed)], tensor)
     finally:
         receiver.kill()
+        receiver.wait()
+        if group is not None:  # the trainer's TCPStore and gloo sockets close with it, failed or not
+            group.destroy()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -296,10 +302,11 @@ def _python(version: str, request) -> str:
     return str(request.getfixturevalue("row_python")) if version == ROW_VLLM else sys.executable
 
 
-def _rr(runs: Path, port: int):
+def _rr(runs: Path, port: int, devices: list[str] | None = None):
     from workbench import recipe
 
-    r = recipe.load("cpu-tiny", ["server.weight_sync=hccl", f"server.port={port}", f"monitor.runs_dir={runs}"])
+    r = recipe.load("cpu-tiny", ["server.weight_sync=hccl", f"server.port={port}", f"monitor.runs_dir={runs}",
+                                 *(devices or [])])
     return recipe.resolve(r, platform="cpu")
 
 
@@ -330,7 +337,8 @@ def test_launch_environment_keeps_vllm_logging_that_trl_turned_off(monkeypatch, 
 
 
 class ContractServer:
-    """A server of one vLLM version, started from the workbench's launch command and environment."""
+    """A server of one vLLM version, launched from the workbench's launch command and environment (`wait()` for it
+    to answer)."""
 
     def __init__(self, version: str, python: str, rr, model_path: str, log_dir: Path):
         self.version, self.rr, self.url, self.model_path = version, rr, rr.server_url, model_path
@@ -343,20 +351,25 @@ class ContractServer:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env=env, start_new_session=True,
                                             preexec_fn=lambda: os.sched_setaffinity(0, cores))
-        started = time.time()
+        self.started = time.time()
+        self.startup_seconds: float | None = None
+
+    def wait(self) -> "ContractServer":
         while True:
             if self.process.poll() is not None:
-                raise AssertionError(f"the vLLM {version} server exited with {self.process.returncode}:\n{self.tail()}")
+                raise AssertionError(f"the vLLM {self.version} server exited with {self.process.returncode}:\n"
+                                     f"{self.tail()}")
             try:
                 if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
                     break
             except requests.RequestException:
                 pass
-            if time.time() - started > STARTUP_TIMEOUT_S:
-                self.stop()
-                raise AssertionError(f"the vLLM {version} server did not start in {STARTUP_TIMEOUT_S}s:\n{self.tail()}")
+            if time.time() - self.started > STARTUP_TIMEOUT_S:
+                raise AssertionError(f"the vLLM {self.version} server did not start in {STARTUP_TIMEOUT_S}s:\n"
+                                     f"{self.tail()}")
             time.sleep(1)
-        self.startup_seconds = time.time() - started
+        self.startup_seconds = time.time() - self.started
+        return self
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -377,15 +390,28 @@ class ContractServer:
                 continue
 
 
+@pytest.fixture(scope="module")
+def contract_servers(request, tiny_model_dir, tmp_path_factory) -> dict[str, ContractServer]:
+    """Both versions' servers, launched together, each on a core of its own (the Ascend row's on the server role's
+    core, the default on the trainer role's): their start-ups, a minute each on one core, overlap."""
+    servers: dict[str, ContractServer] = {}
+    try:
+        for version, cores in ((ROW_VLLM, (0, 1)), (DEFAULT, (1, 0))):
+            log_dir = tmp_path_factory.mktemp(f"contract-{version}")
+            rr = _rr(log_dir, free_port(), [f"devices.server=[{cores[0]}]", f"devices.trainer=[{cores[1]}]"])
+            servers[version] = ContractServer(version, _python(version, request), rr, str(tiny_model_dir), log_dir)
+        for srv in servers.values():
+            srv.wait()
+            print(f"vLLM {srv.version} server healthy after {srv.startup_seconds:.0f}s")
+        yield servers
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
 @pytest.fixture(scope="module", params=[ROW_VLLM, DEFAULT])
-def contract_server(request, tiny_model_dir, tmp_path_factory):
-    version = request.param
-    python = _python(version, request)
-    log_dir = tmp_path_factory.mktemp(f"contract-{version}")
-    srv = ContractServer(version, python, _rr(log_dir, free_port()), str(tiny_model_dir), log_dir)
-    print(f"vLLM {version} server healthy after {srv.startup_seconds:.0f}s")
-    yield srv
-    srv.stop()
+def contract_server(request, contract_servers) -> ContractServer:
+    return contract_servers[request.param]
 
 
 def test_server_answers_the_workbench(contract_server):
@@ -469,6 +495,19 @@ def hccl(contract_server, tiny_model_dir):
     vc.close_communicator()
 
 
+@pytest.fixture
+def restores_base(contract_server, hccl):
+    """For a test that pushes other weights into the module's server: the base weights pushed back after it, and
+    proven served, so that no test depends on which ran before it."""
+    yield
+    from workbench.serving.client import sequence_logprobs
+
+    _push(hccl, hccl["base"])
+    hccl["adapter"].drain()
+    served = sequence_logprobs(contract_server.rr, hccl["ids"], url=contract_server.url)
+    assert _mean_abs(served, _logprobs(hccl["base"], hccl["ids"])) < EXACT, "the base weights were not restored"
+
+
 def _push(hccl, model) -> float:
     started = time.perf_counter()
     hccl["client"].update_named_params(_metadata(model), iter(model.named_parameters()))
@@ -476,7 +515,7 @@ def _push(hccl, model) -> float:
     return time.perf_counter() - started
 
 
-def test_hccl_sync_puts_the_trainers_weights_on_the_server(contract_server, hccl, tiny_model_dir):
+def test_hccl_sync_puts_the_trainers_weights_on_the_server(contract_server, hccl, tiny_model_dir, restores_base):
     server = contract_server
     from workbench.serving.client import sequence_logprobs
 
@@ -499,7 +538,7 @@ def test_hccl_sync_puts_the_trainers_weights_on_the_server(contract_server, hccl
     assert moved_bytes == 4 * (sum(p.numel() for p in trained.parameters()) + trained.lm_head.weight.numel())
 
 
-def test_a_failed_push_leaves_the_server_able_to_take_the_next(contract_server, hccl, tiny_model_dir):
+def test_a_failed_push_leaves_the_server_able_to_take_the_next(contract_server, hccl, tiny_model_dir, restores_base):
     server = contract_server
     from workbench.serving.client import sequence_logprobs
 

@@ -159,3 +159,53 @@ def test_run_async_works_inside_a_running_loop_and_raises_there():
             evaluate._run_async(fails())
 
     asyncio.run(notebook_cell())
+
+
+def test_other_models_get_servers_of_their_own_the_next_starting_while_one_is_scored(monkeypatch, tmp_path):
+    """The path for models that are not checkpoints of one model: each on a server of its own, on two lanes (the
+    server's core, then the trainer's, under the next port), the next model's server started while the current one
+    is scored; every server stopped, also when scoring fails. The servers here record what the evaluation asks of
+    them; what a real server does with a model is the rest of this file."""
+    import contextlib
+    import threading
+    import time
+
+    from conftest import free_port
+    from workbench.serving import server as servers
+
+    events = []
+
+    class Recorder:
+        def __init__(self, rr, path, log_dir=None, quiet=False, name=None, **kwargs):
+            self.rr, self.name = rr, name
+
+        def start(self):
+            events.append(("start", self.name, tuple(self.rr.server.devices), threading.current_thread().name))
+            time.sleep(0.3)
+            return self
+
+        def stop(self):
+            events.append(("stop", self.name))
+
+    monkeypatch.setattr(servers, "VLLMServer", Recorder)
+    rr = recipe.resolve(recipe.load("cpu-tiny", [f"server.port={free_port()}"]))
+    lanes = evaluate._lanes(rr, 3)
+    assert [lane.server.devices for lane in lanes] == [(0,), (1,)]
+    assert lanes[1].recipe.server.port == rr.recipe.server.port + 1
+    items = [("a", "/models/a"), ("b", "/models/b"), ("c", "/models/c")]
+    with contextlib.closing(evaluate._servers(items, lanes, tmp_path, True)) as started:
+        for label, _, srv in started:
+            events.append(("score", label))
+    starts = {e[1]: (e[2], e[3], events.index(e)) for e in events if e[0] == "start"}
+    assert {label: lane for label, (lane, _, _) in starts.items()} == {"a": (0,), "b": (1,), "c": (0,)}
+    assert starts["b"][1] != threading.current_thread().name  # b started in the background,
+    assert starts["b"][2] < events.index(("score", "a"))  # begun before a is scored
+    assert starts["c"][2] > events.index(("stop", "a"))  # c on a's lane once a's server is stopped
+    assert [e for e in events if e[0] == "stop"] == [("stop", "a"), ("stop", "b"), ("stop", "c")]
+
+    events.clear()
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        with contextlib.closing(evaluate._servers(items, lanes, tmp_path, True)) as started:
+            for label, _, srv in started:
+                raise RuntimeError("scoring failed")
+    assert sorted(e[1] for e in events if e[0] == "stop") == ["a", "b"]  # the one scored and the one started ahead

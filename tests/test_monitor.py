@@ -259,7 +259,7 @@ def test_report_to_passes_through_next_to_the_workbench_metrics(smoke_run):
 
 def test_killing_the_trainer_leaves_every_line_readable(killed_run):
     """conftest's `killed_run`, as the SIGKILL left it (before its resume): every record is whole lines."""
-    killed, _, _ = killed_run
+    killed = killed_run.as_killed
     train = killed.train
     for path in (train.metrics, train.devices, train.rollout):
         name = path.name

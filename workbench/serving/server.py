@@ -342,6 +342,8 @@ class VLLMServer:
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(pgid, sig)
+                if sig == signal.SIGTERM:  # a stopped group (Ctrl-Z, SIGSTOP) acts on SIGTERM only once continued
+                    os.killpg(pgid, signal.SIGCONT)
             except ProcessLookupError:
                 break
             deadline = time.time() + wait

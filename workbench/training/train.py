@@ -48,7 +48,7 @@ class TrainSummary:
     stopped_early_at: int | None = None
     monitor: dict = field(default_factory=dict)
     processes: int = 1  # trainer ranks (all nodes)
-    restarts: int = 0  # server restarts during this training (events.jsonl has each)
+    restarts: int = 0  # server restarts during this training, before a resume too (events.jsonl has each)
     resumed_from: int | None = None  # the checkpoint step a resumed training continued from
 
     def save(self, train_dir: TrainDir) -> Path:
@@ -159,7 +159,7 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
                                server_start_seconds=None, weight_sync=rr.weight_sync, platform=rr.platform,
                                final_model=str(train_dir.final), stopped_early_at=stop_flag.stopped_at,
                                monitor=sampler.overhead(), processes=accelerator.num_processes,
-                               restarts=recovery.restarts if recovery else 0,
+                               restarts=_restarts_recorded(train_dir),
                                resumed_from=_checkpoint_step(resume_from) if resume_from else None)
         summary.save(train_dir)
         return summary
@@ -191,6 +191,13 @@ def _stopped_with_checkpoint(trainer, train_dir: TrainDir, exc, several: bool, l
     append_event(train_dir.events, "failure", f"training stopped at step {step}: {exc.cause}; {saved}", step=step)
     log(f"training stopped at step {step}; {saved}")
     return type(exc)(f"{exc.cause} (training stopped at step {step}; {saved})", exc.fix)
+
+
+def _restarts_recorded(train_dir: TrainDir) -> int:
+    """The server restarts of this training, the part before a resume included (one server_restart event each)."""
+    from workbench.observe.records import read_jsonl
+
+    return sum(1 for e in read_jsonl(train_dir.events, normalised=False) if e.get("kind") == "server_restart")
 
 
 def _checkpoint_step(path: Path) -> int:
