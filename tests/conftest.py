@@ -77,7 +77,7 @@ def cpu_rr(cpu_recipe):
 @pytest.fixture(scope="session")
 def tiny_model_dir(cpu_recipe) -> Path:
     """The cpu-tiny model, built for real (about 40 s on 2 cores the first time, reused after)."""
-    from workbench.tasks import tinymodel
+    from workbench import tinymodel
 
     return tinymodel.ensure(cpu_recipe, log=lambda *_: None)
 
@@ -127,11 +127,9 @@ def server_rr(server_recipe):
 @pytest.fixture(scope="session")
 def tiny_server(server_rr, tiny_model_dir, tmp_path_factory):
     """One real vLLM server (CPU build, tiny model) shared by the tests that only talk to it."""
-    from workbench.serving.server import VLLMServer
-
     # for_training: tests/test_sync.py pushes weights into it and resets its prefix cache (dev endpoints)
     import harness
-    from workbench.serving.server import group_members
+    from workbench.serving.server import VLLMServer, group_members
 
     srv = VLLMServer(server_rr, str(tiny_model_dir), tmp_path_factory.mktemp("server"), quiet=True, for_training=True)
     srv.start()
@@ -218,8 +216,20 @@ def wait_for(predicate, timeout: float, proc=None, what: str = "", log: Path | N
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def served_during(train_dir, end: dict | None = None) -> dict[str, float]:
+    """The server's counters for one training: `end` (default: its server_metrics.prom at the run's end) less the
+    snapshot taken as it began (server_metrics.start.prom). An attached training shares its server with other
+    tests, which the counters would otherwise include."""
+    from workbench.serving import scraper
+
+    end = end if end is not None else scraper.parse(train_dir.server_metrics.read_text())
+    start = scraper.parse(train_dir.server_metrics_start.read_text())
+    return {key: end[key] - start.get(key, 0.0) for key in ("generation_prompts", "generation_sequences",
+                                                             "probe_requests") if key in end}
+
+
 def steps_logged(train_dir) -> list[int]:
-    from workbench.observe.records import read_jsonl
+    from workbench.records import read_jsonl
 
     return [r["step"] for r in read_jsonl(Path(train_dir) / "metrics.jsonl") if "loss" in r]
 
@@ -312,8 +322,7 @@ def weaker_model_dir(tiny_model_dir):
     """The tiny model pre-trained for 200 steps instead of 250 (about 34% held-out accuracy instead of 52%), built
     once and cached beside it. A genuinely different model: a smoke run's final model, three steps from the base,
     answers exactly as the base does, which would leave nothing fixed or broken between the two."""
-    from workbench import recipe
-    from workbench.tasks import tinymodel
+    from workbench import recipe, tinymodel
 
     r = recipe.load("cpu-tiny", ["model.tiny.pretrain_steps=200", "model.tiny.eval_size=0"])
     return tinymodel.ensure(r, log=lambda *_: None)

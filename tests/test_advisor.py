@@ -5,8 +5,9 @@ import random
 
 import pytest
 
+from workbench import plots
 from workbench.observe import advisor, figures, rundata
-from workbench.observe.records import append_jsonl
+from workbench.records import append_jsonl
 
 RECIPE = {"trainer": {"per_device_train_batch_size": 32, "num_generations": 8, "max_completion_length": 48,
                       "beta": 0.04, "learning_rate": 3e-5, "max_steps": 100}}
@@ -155,7 +156,7 @@ def test_training_figure_from_a_run_directory(tmp_path):
     titles = {ax.get_title() for ax in fig.axes}
     assert {"reward (mean per completion)", "step time breakdown (s/step)", "device utilization per role (%)",
             "server requests in flight"} <= titles
-    png = figures.png_bytes(fig)
+    png = plots.png_bytes(fig)
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
 
 
@@ -165,7 +166,7 @@ def test_figure_survives_missing_records(tmp_path, missing):
         if name != missing:
             for row in rows:
                 append_jsonl(tmp_path / f"{name}.jsonl", row)
-    assert figures.png_bytes(figures.training_figure(rundata.load(tmp_path))).startswith(b"\x89PNG")
+    assert plots.png_bytes(figures.training_figure(rundata.load(tmp_path))).startswith(b"\x89PNG")
 
 
 def _canary(gaps, level="ok"):

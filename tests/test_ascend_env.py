@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from conftest import FIXTURES
-from workbench import recipe
-from workbench.platform import compat, envcheck
+from workbench import envcheck, recipe
+from workbench.platform import compat
 
 ROWS = {  # a fake host per row: what `pip list` would show there
     "0.23.0": {"vllm": "0.23.0", "vllm_ascend": "0.23.0", "torch": "2.10.0", "torch_npu": "2.10.0.post4",

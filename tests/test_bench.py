@@ -11,9 +11,9 @@ import subprocess
 import pytest
 
 from conftest import free_port, workbench_command
-from workbench.observe.records import read_jsonl
+from workbench.experiments import bench
+from workbench.records import read_jsonl
 from workbench.rundir import RunDir, TrainDir
-from workbench.training import bench
 
 PATHS = ["in-process", "colocate", "server", "async"]
 

@@ -238,7 +238,7 @@ def test_notebook_compares_the_newest_runs(pair, tmp_path):
     import papermill
 
     from workbench import paths
-    from workbench.pipeline import kernel_name
+    from workbench.notebook import kernel_name
 
     root = tmp_path / "runs"
     root.mkdir()

@@ -18,9 +18,8 @@ import yaml
 from conftest import VENV_BIN, free_port
 from workbench import recipe
 from workbench.errors import WorkbenchError
-from workbench.observe.records import read_jsonl
+from workbench.records import read_jsonl
 from workbench.rundir import RunDir
-
 
 WORKBENCH = [str(VENV_BIN / "workbench")] if (VENV_BIN / "workbench").exists() else [sys.executable, "-m", "workbench"]
 

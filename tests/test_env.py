@@ -5,9 +5,8 @@ import subprocess
 import time
 from pathlib import Path
 
-
+from workbench import envcheck as env
 from workbench import recipe
-from workbench.platform import envcheck as env
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "npu-smi"
 GOOD_ROW = {"python": "3.11.7", "torch": "2.10.0", "torch_npu": "2.10.0.post4", "vllm": "0.23.0",

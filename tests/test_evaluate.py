@@ -171,7 +171,6 @@ def test_other_models_get_servers_of_their_own_the_next_starting_while_one_is_sc
     import time
 
     from conftest import free_port
-    from workbench.serving import server as servers
 
     events = []
 
@@ -187,7 +186,7 @@ def test_other_models_get_servers_of_their_own_the_next_starting_while_one_is_sc
         def stop(self):
             events.append(("stop", self.name))
 
-    monkeypatch.setattr(servers, "VLLMServer", Recorder)
+    monkeypatch.setattr(evaluate, "VLLMServer", Recorder)
     rr = recipe.resolve(recipe.load("cpu-tiny", [f"server.port={free_port()}"]))
     lanes = evaluate._lanes(rr, 3)
     assert [lane.server.devices for lane in lanes] == [(0,), (1,)]

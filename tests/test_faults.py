@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from conftest import FAST, steps_logged, workbench_command
-from workbench.observe.records import read_jsonl
+from workbench.records import read_jsonl
 from workbench.rundir import RunDir
 
 _cmd = workbench_command

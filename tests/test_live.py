@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from test_advisor import busy_devices, full_rollout, healthy_metrics
+
 from workbench.observe.dashboard import Dashboard
-from workbench.observe.records import append_jsonl
 from workbench.observe.rundata import RunData
 from workbench.observe.views import summary_rows
+from workbench.records import append_jsonl
 from workbench.rundir import RunDir, TrainDir, write_atomic
 
 

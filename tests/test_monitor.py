@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import served_during
 from test_npusmi import WIDE_DUAL_DIE
-from workbench import recipe
+from workbench import recipe, records
 from workbench.errors import WorkbenchError
-from workbench.observe import records, scraper
-from workbench.observe.probes import ascend, cpu, nvidia
 from workbench.platform.npusmi import NpuSmiFormatError
+from workbench.platform.probes import ascend, cpu, nvidia
 from workbench.rundir import RunDir
+from workbench.serving import scraper
+from workbench.training.monitor import device_roles
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NPU_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "npu-smi"
@@ -102,8 +104,10 @@ def test_a_page_that_is_not_vllm_metrics_is_an_error():
 
 # --- device probes ----------------------------------------------------------------------------------------------
 
-def _npu_recipe(server, trainer):
-    return recipe.load("cpu-tiny", {"devices.platform": "npu", "devices.server": server, "devices.trainer": trainer})
+def _npu_roles(server, trainer):
+    """The roles the sampler gives the probe for an npu recipe with this device split."""
+    return device_roles(recipe.load("cpu-tiny", {"devices.platform": "npu", "devices.server": server,
+                                                 "devices.trainer": trainer}))
 
 
 def test_ascend_probe_reads_the_recorded_table_with_roles():
@@ -113,7 +117,7 @@ def test_ascend_probe_reads_the_recorded_table_with_roles():
         calls.append(args)
         return (NPU_FIXTURES / "info-910b2c-narrow.txt").read_text()
 
-    probe = ascend.AscendProbe(_npu_recipe([0], [1]), runner=runner)
+    probe = ascend.AscendProbe(_npu_roles([0], [1]), runner=runner)
     samples = probe.sample()
     assert [(s["device"], s["role"], s["util_pct"], s["mem_used_mb"], s["mem_total_mb"], s["power_w"], s["temp_c"])
             for s in samples] == [("npu:0", "server", 0.0, 3455, 65536, 94.2, 43.0),
@@ -131,16 +135,16 @@ def test_ascend_probe_asks_usages_where_the_table_has_no_aicore():
     def runner(*args):
         return usage + "\n" + usage_chip1 if args else table
 
-    samples = ascend.AscendProbe(_npu_recipe([0], [1]), runner=runner).sample()
+    samples = ascend.AscendProbe(_npu_roles([0], [1]), runner=runner).sample()
     assert [(s["npu"], s["chip"], s["util_pct"]) for s in samples] == [(0, 0, 37.0), (0, 1, 42)]
 
 
 def test_ascend_probe_fails_loudly_on_unknown_output_and_missing_devices():
     with pytest.raises(NpuSmiFormatError):
-        ascend.AscendProbe(_npu_recipe([0], [1]), runner=lambda *a: "npu-smi 30.0\nsomething else\n").sample()
+        ascend.AscendProbe(_npu_roles([0], [1]), runner=lambda *a: "npu-smi 30.0\nsomething else\n").sample()
     table = (NPU_FIXTURES / "info-910b4-narrow.txt").read_text()
     with pytest.raises(WorkbenchError, match=r"NPUs \[2, 3\].*2 chips"):
-        ascend.AscendProbe(_npu_recipe([0], [2, 3]), runner=lambda *a: table).sample()
+        ascend.AscendProbe(_npu_roles([0], [2, 3]), runner=lambda *a: table).sample()
 
 
 class _FakeNvml:
@@ -180,19 +184,19 @@ class _FakeNvml:
 def test_nvidia_probe_maps_roles_and_visible_devices(monkeypatch):
     r = recipe.load("cpu-tiny", {"devices.platform": "cuda", "devices.server": [0], "devices.trainer": [1]})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")  # logical 0 is physical 1
-    samples = nvidia.NvidiaProbe(r, nvml=_FakeNvml()).sample()
+    samples = nvidia.NvidiaProbe(device_roles(r), nvml=_FakeNvml()).sample()
     assert [(s["device"], s["role"], s["util_pct"], s["mem_used_mb"], s["power_w"], s["temp_c"]) for s in samples] == [
         ("cuda:0", "server", 88.0, 61440.0, 350.5, 71.0), ("cuda:1", "trainer", 15.0, 2048.0, 100.0, 40.0)]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(WorkbenchError, match="CUDA_VISIBLE_DEVICES"):
-        nvidia.NvidiaProbe(r, nvml=_FakeNvml())
+        nvidia.NvidiaProbe(device_roles(r), nvml=_FakeNvml())
 
 
 def test_cpu_probe_tells_the_busy_server_tree_from_the_idle_trainer(cpu_recipe):
     busy = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"])
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        probe = cpu.CpuProbe(cpu_recipe, server_pid=busy.pid, trainer_pid=idle.pid)
+        probe = cpu.CpuProbe(device_roles(cpu_recipe), server_pid=busy.pid, trainer_pid=idle.pid)
         probe.sample()  # primes the per-process counters
         time.sleep(1.5)
         samples = probe.sample()
@@ -209,7 +213,7 @@ def test_cpu_probe_tells_the_busy_server_tree_from_the_idle_trainer(cpu_recipe):
 def test_cpu_probe_refuses_cores_the_machine_lacks(cpu_recipe):
     r = recipe.load("cpu-tiny", {"devices.server": [0], "devices.trainer": [os.cpu_count() + 3]})
     with pytest.raises(WorkbenchError, match="cores"):
-        cpu.CpuProbe(r)
+        cpu.CpuProbe(device_roles(r))
 
 
 # --- the smoke run's records -------------------------------------------------------------------------------------
@@ -237,7 +241,8 @@ def test_smoke_run_records_metrics_devices_and_rollout(smoke_run):
     assert scraped and not any("error" in r for r in scraped)
     # the last scrape (after the last step): 3 steps of 2 prompts x 4 generations, apart from the canary's probes
     assert scraped[-1]["generation_tokens"] > 0
-    assert (scraped[-1]["generation_prompts"], scraped[-1]["generation_sequences"]) == (6, 24), scraped[-1]
+    last = served_during(train, end=scraped[-1])  # the shared server's counters, less what it served before
+    assert (last["generation_prompts"], last["generation_sequences"]) == (6, 24), scraped[-1]
     summary = json.loads(train.summary.read_text())
     assert summary["monitor"]["samples"] >= 1 and summary["monitor"]["errors"] == 0
 

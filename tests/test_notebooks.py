@@ -12,7 +12,7 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 
 def kernel() -> str:
-    from workbench.pipeline import kernel_name
+    from workbench.notebook import kernel_name
 
     return kernel_name()
 

@@ -1,4 +1,4 @@
-"""The honest protocol (workbench/evaluation/protocol.py): three disjoint arithmetic splits, trainer.seed apart
+"""The honest protocol (workbench/experiments/protocol.py): three disjoint arithmetic splits, trainer.seed apart
 from the data's, bad candidates refused before any training, and one real protocol run: candidates trained and scored on the
 validation split, the chosen one's model scored on the test split."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from conftest import free_port, workbench_command
 from workbench import recipe
 from workbench.errors import WorkbenchError
 from workbench.evaluation.evaluate import Evaluation
-from workbench.evaluation.protocol import Candidate, Outcome, Protocol, parse_candidate
+from workbench.experiments.protocol import Candidate, Outcome, Protocol, parse_candidate
 from workbench.rundir import RunDir
 from workbench.tasks import dataset
 
@@ -184,10 +184,10 @@ def test_resume_keeps_what_was_recorded_and_redoes_the_interrupted(monkeypatch, 
     trainings it recorded, sets the interrupted one aside and runs it again, and takes more test seeds; each split's
     base is scored once. The trainings here are `workbench` calls answered with their result files, the
     evaluations scores by label (the real ones are above)."""
-    from workbench.evaluation import protocol
+    from workbench import tinymodel
     from workbench.evaluation.evaluate import Evaluation, Summary
+    from workbench.experiments import protocol
     from workbench.serving import shared
-    from workbench.tasks import tinymodel
 
     calls, scored = [], []
     accuracy = {"recipe": 0.6, "lr-high": 0.7}

@@ -12,7 +12,7 @@ import requests
 from conftest import free_port
 from workbench import recipe
 from workbench.errors import WorkbenchError
-from workbench.observe.records import append_jsonl, read_jsonl, truncate_after
+from workbench.records import append_jsonl, read_jsonl, truncate_after
 from workbench.rundir import TrainDir
 from workbench.training.recovery import Recovery, RestartRequest, ServerLost, serve_restart_requests
 

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from workbench.errors import WorkbenchError
-from workbench.tasks import rewardlab
+from workbench.experiments import rewardlab
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_fresh_offline_generation_is_scored(tmp_path, tiny_model_dir):
 
     # in its own process: the in-process engine binds its process's threads to the server's cores
     out = tmp_path / "samples.parquet"
-    code = ("from workbench import recipe; from workbench.tasks import rewardlab; "
+    code = ("from workbench import recipe; from workbench.experiments import rewardlab; "
             "rr = recipe.resolve(recipe.load('cpu-tiny')); "
             f"rewardlab.sample(rr, num_prompts=3, num_generations=4, log=lambda *_: None).to_parquet({str(out)!r})")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -103,7 +103,6 @@ def test_reward_lab_notebook_scores_a_runs_completions(in_project, tmp_path):
     import json
 
     import papermill
-
     from test_notebooks import NOTEBOOK_DIR, kernel, outputs_of, text_of
 
     out = tmp_path / "08.ipynb"

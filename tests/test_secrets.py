@@ -70,9 +70,9 @@ def test_recipe_without_secrets_is_copied_exactly(tmp_path, hf_token):
 
 
 def test_report_and_environment_files_hold_no_secret(tmp_path, monkeypatch, hf_token):
+    from workbench.envcheck import Report
     from workbench.observe import report
     from workbench.pipeline import environment_summary
-    from workbench.platform.envcheck import Report
     from workbench.rundir import write_atomic
 
     monkeypatch.setenv("WORKBENCH_NOTE", f"copied {HF}")  # recorded prefix, harmless name, secret value

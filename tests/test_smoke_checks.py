@@ -11,7 +11,7 @@ def _run(tmp_path, zero_spread: float, moved: bool):
     import torch
     from safetensors.torch import save_file
 
-    from workbench.observe.records import append_jsonl
+    from workbench.records import append_jsonl
     from workbench.rundir import TrainDir, write_atomic
 
     train = TrainDir(tmp_path / "smoke").make()

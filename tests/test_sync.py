@@ -15,7 +15,9 @@ import pytest
 import requests
 import torch
 
-from conftest import EXACT, mean_abs as _mean_abs, model_logprobs as _model_logprobs
+from conftest import EXACT, served_during
+from conftest import mean_abs as _mean_abs
+from conftest import model_logprobs as _model_logprobs
 from workbench import recipe
 from workbench.serving import sync
 from workbench.serving.client import sequence_logprobs
@@ -175,9 +177,7 @@ def test_smoke_run_through_the_server(smoke_run):
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and "reward" in r and "kl" in r for r in steps)
     assert all(r["sync/count"] >= 1 and r["sync/seconds"] > 0 for r in steps)
-    from workbench.observe import scraper
-
-    served = scraper.parse(train_dir.server_metrics.read_text())  # the server's own counters, at the run's end
+    served = served_during(train_dir)  # the server's own counters: at the run's end less at its start
     # what the steps asked for: 2 prompts x 4 generations a step, 3 steps; apart from the canary's one-token probes
     # (4 probe sequences, checked after the first push only: canary_every is 10)
     assert (served["generation_prompts"], served["generation_sequences"]) == (6, 24), served

@@ -5,8 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from workbench import recipe
-from workbench.tasks import tinymodel
+from workbench import recipe, tinymodel
 from workbench.errors import WorkbenchError
 
 SMALL = ["model.tiny.pretrain_steps=8", "model.tiny.eval_size=8", "model.tiny.batch_size=8"]

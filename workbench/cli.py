@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from workbench.errors import WorkbenchError
+from workbench.experiments import protocol
+from workbench.rundir import RunDir
 
 PACKAGE = Path(__file__).resolve().parent
 TODO: dict[str, str] = {}  # name: one-line help, for subcommands announced before they are built
@@ -44,7 +46,7 @@ def _recipe_args(p: argparse.ArgumentParser, default: str | None = "cpu-tiny") -
 
 
 def _resolved(args: argparse.Namespace):
-    from workbench import recipe
+    from workbench import recipe  # lazy: yaml
 
     return recipe.resolve(recipe.load(args.recipe or "cpu-tiny", args.overrides))
 
@@ -53,7 +55,7 @@ def _resolved(args: argparse.Namespace):
 # Commands
 
 def cmd_recipe(args: argparse.Namespace) -> int:
-    from workbench import recipe
+    from workbench import recipe  # lazy: yaml
 
     if args.action == "list":
         for name in recipe.available():
@@ -68,7 +70,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
           f"server {d['server_url']} on {d['server']['devices']}, trainer on {d['trainer']['devices']}")
     print(f"# trainer keys checked against trl.GRPOConfig's {len(recipe.trl_fields.names())} arguments")
     if args.check:
-        from workbench.training.config import grpo_config
+        from workbench.training.config import grpo_config  # lazy: yaml
 
         config = grpo_config(rr, output_dir=f"{rr.recipe.monitor.runs_dir}/<run-id>")
         print(f"# built trl.GRPOConfig for platform {rr.platform!r}: {config.per_device_train_batch_size} "
@@ -78,7 +80,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from workbench.tasks import tinymodel
+    from workbench import tinymodel  # lazy: yaml
 
     rr = _resolved(args)
     print(tinymodel.ensure(rr.recipe, force=args.force))
@@ -86,12 +88,11 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from workbench import pipeline
+    from workbench import pipeline  # lazy: yaml
 
     stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
     if args.resume:
-        from workbench import recipe
-        from workbench.rundir import RunDir
+        from workbench import recipe  # lazy: yaml
 
         if args.overrides or args.recipe:
             raise WorkbenchError("--resume continues a run with its own recipe",
@@ -104,20 +105,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from workbench.observe import report
-    from workbench.rundir import RunDir
+    from workbench.observe import report  # lazy: matplotlib
 
     print(report.build(RunDir.open(args.run_dir)))
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from workbench.rundir import RunDir
-    from workbench.serving import launch, server
-    from workbench.tasks import tinymodel
+    from workbench import tinymodel  # lazy: yaml
+    from workbench.serving import launch, server  # lazy: requests
 
     rr = _resolved(args)
-    if rr.recipe.server.mode == "attach":
+    if rr.recipe.server.attached:
         entry = server.VLLMServer(rr).start().model_entry
         print(f"attached: {rr.server_url} serves {rr.recipe.server.served_model_name!r} "
               f"(max_model_len {entry['max_model_len']})")
@@ -131,8 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from workbench import recipe
-    from workbench.rundir import RunDir
+    from workbench import recipe  # lazy: yaml
 
     if args.resume:
         if args.recipe or args.overrides or args.run_dir:
@@ -142,7 +140,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not run.train.recipe.exists():
             raise WorkbenchError(f"{args.resume} has no recipe.yaml", "pass the run directory of a training (runs/<id>)")
         r = recipe.load(str(run.train.recipe))
-    elif args.run_dir and (Path(args.run_dir) / "recipe.yaml").exists():
+    elif args.run_dir and RunDir(args.run_dir).recipe.exists():
         if args.recipe or args.overrides:
             raise WorkbenchError(f"{args.run_dir} already has its recipe.yaml; --recipe and overrides would make the "
                                  "run differ from it", "drop them, or train into a new run directory")
@@ -159,23 +157,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from workbench import plan
+    from workbench import plan  # lazy: yaml
 
     print(plan.plan(_resolved(args)).text())
     return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from workbench.rundir import RunDir
-
     flag = RunDir.open(args.run_dir).train.request_stop("workbench stop")
     print(f"wrote {flag}: the run checkpoints and ends after its current step")
     return 0
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from workbench.observe import advisor, rundata
-    from workbench.rundir import RunDir
+    from workbench.observe import advisor, rundata  # lazy: yaml
 
     run = RunDir.open(args.run_dir)
     if not run.train.metrics.exists():
@@ -190,8 +185,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from workbench.platform import envcheck
-    from workbench.rundir import RunDir
+    from workbench import envcheck  # lazy: yaml
 
     rr = _resolved(args)
     report = envcheck.check(rr, collective=not args.no_collective)
@@ -218,8 +212,7 @@ def _concurrencies(text: str, flag: str = "--sweep") -> list[int]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from workbench.evaluation import evaluate
-    from workbench.rundir import RunDir
+    from workbench.evaluation import evaluate  # lazy: requests
 
     rr = _resolved(args)
     if args.sweep:
@@ -233,7 +226,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     stage = RunDir.create(rr.recipe, "eval").eval
     result = evaluate.evaluate(rr, models or None, stage=stage)
     if len(result.summaries) > 1:  # what notebook 05 shows: fixed, broken and the breakdowns (eval/analysis.json)
-        from workbench.evaluation import analysis
+        from workbench.evaluation import analysis  # lazy: yaml
 
         try:
             print(analysis.analyse(result, rr, stage=stage).markdown(k=2))
@@ -245,29 +238,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _sweep(rr, concurrencies: list[int]) -> int:
-    import os
-    import platform
+    from workbench.evaluation import sweep  # lazy: requests
 
-    from workbench.evaluation import sweep
-    from workbench.evaluation.evaluate import preflight
-    from workbench.rundir import RunDir
-    from workbench.serving.server import VLLMServer
-    from workbench.tasks import dataset, tinymodel
-
-    run = RunDir.create(rr.recipe, "sweep")
-    rows = dataset.eval_rows(rr.recipe)
-    with VLLMServer(rr, tinymodel.ensure_model(rr), run.serving.make().path) as srv:
-        preflight(rr, rows, srv.url)
-        result = sweep.run(rr, rows, concurrencies, url=srv.url)
-    result.machine = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, server on {list(rr.server.devices)}"
-    print(f"saved: {result.save(run.serving)}")
+    result, saved = sweep.measure(rr, concurrencies)
+    print(f"saved: {saved}")
     print(result.markdown())
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from workbench import recipe
-    from workbench.training import bench
+    from workbench import recipe  # lazy: yaml
+    from workbench.experiments import bench  # lazy: yaml
 
     def names(text: str | None) -> list[str] | None:
         return [n.strip() for n in text.split(",") if n.strip()] if text else None
@@ -279,12 +260,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from workbench.observe import compare
+    from workbench.observe import compare  # lazy: matplotlib
 
     compare.metric_keys(args.metrics)  # a bad --metrics is refused before any run is read
     runs = compare.load_runs(args.runs)
-    out = Path(args.out) if args.out else compare.default_out(runs)
-    saved = compare.save(runs, out, args.metrics)
+    saved = compare.save(runs, args.out, args.metrics)
     for run in runs.runs:
         note = f" ({run.tag['note']})" if run.tag.get("note") else ""
         print(f"{run.label}: {run.path}{note}")
@@ -301,8 +281,6 @@ def _seed_list(text: str, flag: str) -> list[int]:
 
 
 def cmd_protocol(args: argparse.Namespace) -> int:
-    from workbench.evaluation import protocol
-
     seeds = _seed_list(args.seeds, "--seeds") if args.seeds is not None else None
     choose = _seed_list(args.choose_seed, "--choose-seed") if args.choose_seed is not None else None
     if choose is not None and len(choose) != 1:
@@ -320,7 +298,7 @@ def cmd_protocol(args: argparse.Namespace) -> int:
 
 
 def cmd_tag(args: argparse.Namespace) -> int:
-    from workbench.observe import compare
+    from workbench.observe import compare  # lazy: matplotlib
 
     path = compare.write_tag(args.run_dir, args.name, args.note)
     print(f"tagged {args.run_dir} as {compare.read_tag(args.run_dir)['name']!r}: {path}")
@@ -330,7 +308,7 @@ def cmd_tag(args: argparse.Namespace) -> int:
 def cmd_lab(args: argparse.Namespace) -> int:
     import os
 
-    from workbench.notebook import lab_command
+    from workbench.notebook import lab_command  # lazy: yaml
 
     extra = [a for a in args.extra if a != "--"]
     cmd = lab_command(args.port, args.root, open_browser=not args.no_browser, extra=extra)
@@ -374,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_recipe)
 
     p = add("tiny-model", "build (or reuse) the tiny arithmetic model and print its accuracy",
-            "workbench.tasks.tinymodel", cmd_tiny_model)
+            "workbench.tinymodel", cmd_tiny_model)
     p.add_argument("--force", action="store_true", help="rebuild even when a cached model matches")
     p = add("run", "run the staged notebooks with papermill: env, offline, serving, smoke, train, eval",
             "workbench.pipeline", cmd_run, recipe=None)  # None: --resume must see whether one was given
@@ -398,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("advise", "name the bottleneck of a run from what it recorded", "workbench.observe.advisor", cmd_advise,
         run_dir=True)
     p = add("env", "check platform, version chain, Ascend setup, collectives, resources",
-            "workbench.platform.envcheck", cmd_env)
+            "workbench.envcheck", cmd_env)
     p.add_argument("--no-collective", action="store_true", help="skip the all-reduce self-test")
     p = add("eval", "score models through the OpenAI-compatible server, repeated and concurrent",
             "workbench.evaluation.evaluate", cmd_eval)
@@ -407,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", metavar="LABEL=PATH",
                    help="a model directory to evaluate, repeatable (default: the recipe's model as 'base')")
     p = add("bench", "every rollout path (in-process, colocate, server, async) timed on this machine",
-            "workbench.training.bench", cmd_bench)
+            "workbench.experiments.bench", cmd_bench)
     p.add_argument("--steps", type=int, default=4, help="measured steps per path (default: 4)")
     p.add_argument("--warmup", type=int, default=1, help="steps before the measured ones (default: 1)")
     p.add_argument("--sizes", help="comma-separated: tiny,100m (default: both for a tiny-model recipe)")
@@ -423,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="curves to overlay: reward, kl, loss, entropy, length, clipped, reward_std, lr, step_time, "
                         "tokens_per_second or any metrics.jsonl key (default: reward,kl,loss,entropy,length,step_time)")
     p = add("protocol", "choose settings on the validation split, report the test split over seeds",
-            "workbench.evaluation.protocol", cmd_protocol, recipe=None)
+            "workbench.experiments.protocol", cmd_protocol, recipe=None)
     p.add_argument("--candidate", action="append", metavar="'NAME: k=v ...'",
                    help="a setting to try against the recipe as it is (repeatable)")
     p.add_argument("--choose-seed", help="the training seed (trainer.seed) of the choice on validation (default: 0)")

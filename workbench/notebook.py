@@ -54,12 +54,20 @@ def setup(recipe: str, overrides=None, run_dir: str = "", kind: str = "run",
     return recipes.resolve(r), run
 
 
+KERNEL = "grpo-workbench"  # the project's Jupyter kernel, as `make install` registers it (Makefile: KERNEL)
+
+
+def kernel_name() -> str:
+    """The project's kernel when registered (make install does it), else the default python3 kernel."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    return KERNEL if KERNEL in KernelSpecManager().find_kernel_specs() else "python3"
+
+
 def lab_command(port: int = 8888, root: str = ".", open_browser: bool = True, extra: list[str] | None = None) -> list[str]:
     """JupyterLab for the notebooks (`make lab`, `workbench lab`): on loopback only (a notebook server runs code:
     never on a network address by accident), opening notebooks/, new notebooks on the project's kernel."""
     import sys
-
-    from workbench.pipeline import kernel_name
 
     cmd = [sys.executable, "-m", "jupyter", "lab", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
            "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}",

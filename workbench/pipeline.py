@@ -22,10 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-from workbench import paths
+from workbench import envcheck, paths
 from workbench.errors import WorkbenchError
+from workbench.notebook import kernel_name
+from workbench.observe.rundata import load
 from workbench.recipe import Resolved
-from workbench.rundir import RunDir, write_atomic
+from workbench.rundir import RunDir, weights, write_atomic
+from workbench.secrets import redact, scrub, scrub_data
+from workbench.tinymodel import ensure_model
+from workbench.training.config import preflight
 
 STAGES = {
     "env": "00_env_check",
@@ -41,23 +46,12 @@ TOOLS = {
     "compare": "07_compare",
     "reward-lab": "08_reward_lab",
 }
-KERNEL = "grpo-workbench"
 # Environment variables worth recording (values of secret-looking names are redacted in the report too).
 RECORDED_PREFIXES = ("CUDA_", "ASCEND_", "HCCL_", "NCCL_", "VLLM_", "OMP_", "PYTORCH_", "TORCH_", "HF_", "WORKBENCH_")
 
 
-def kernel_name() -> str:
-    """The project's kernel when registered (make install does it), else the default python3 kernel."""
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    return KERNEL if KERNEL in KernelSpecManager().find_kernel_specs() else "python3"
-
-
 def environment_summary() -> dict:
     import psutil
-
-    from workbench.platform import envcheck
-    from workbench.secrets import redact, scrub_data
 
     variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_PREFIXES)}
     # by name, then by value: a secret copied into a variable of another name (or a path, a URL) goes too
@@ -72,18 +66,18 @@ def stage_parameters(stage: str, run: RunDir, resuming: bool = False) -> dict:
     further overrides (they are already in it), and writes into the run directory. A resumed run's training
     continues from its newest checkpoint when it has one."""
     params: dict = {"recipe": str(run.recipe), "overrides": [], "run_dir": str(run.path)}
-    if stage == "train" and resuming and any(run.train.checkpoints.glob("checkpoint-*/trainer_state.json")):
+    if stage == "train" and resuming and run.train.complete_checkpoints():
         params["resume"] = True
     if stage == "eval":
         models = {"base": "base"}
-        if (run.train.final / "model.safetensors").exists():
+        if weights(run.train.final).exists():
             models["trained"] = str(run.train.final)
         params["models"] = models
     return params
 
 
-def export_html(notebook: Path) -> Path:
-    """The executed notebook as HTML next to it, readable offline: no MathJax or require.js from a CDN, and no
+def export_html(notebook: Path, out: Path) -> Path:
+    """The executed notebook as HTML (at `out`), readable offline: no MathJax or require.js from a CDN, and no
     widget loader (widget views need it to render and cannot offline; the static figure and tables are there)."""
     import re
 
@@ -94,7 +88,7 @@ def export_html(notebook: Path) -> Path:
     nb.metadata.pop("widgets", None)
     body, _ = HTMLExporter(mathjax_url="", require_js_url="").from_notebook_node(nb)
     body = re.sub(r"<script[^>]*\ssrc=[\"']{2}[^>]*>\s*</script>", "", body)
-    return write_atomic(notebook.with_suffix(".html"), body)
+    return write_atomic(out, body)
 
 
 class _StderrTo:
@@ -126,18 +120,17 @@ class _SharedServer:
     stopped after the last; without it (a failed start) every stage starts its own server as before."""
 
     def __init__(self, rr: Resolved, run: RunDir, stages: list[str], log):
-        from workbench.serving.shared import SharedServer
+        from workbench.serving.shared import SharedServer  # lazy: requests
 
         self.rr, self.run, self.log = rr, run, log
         self.stages = [s for s in stages if s in SHARED_STAGES]
-        self.wanted = rr.recipe.server.mode == "managed" and len(self.stages) >= 2
+        self.wanted = rr.recipe.server.managed and len(self.stages) >= 2
         self.shared = SharedServer(run.server.path, log)
         self.record: dict = {}
 
     def open(self) -> None:
         if not self.wanted:
             return
-        from workbench.tasks.tinymodel import ensure_model
 
         self.wanted = False  # one attempt
         try:
@@ -178,7 +171,6 @@ class _Heartbeat:
         elapsed = f"{time.time() - self.started:.0f}s"
         if self.stage != "train" or not self.run.train.metrics.exists():
             return f"   ... {self.stage} running ({elapsed})"
-        from workbench.observe.rundata import load
 
         data = load(self.run.train)
         prog, rows = data.progress(), data.train_metrics
@@ -206,8 +198,7 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir
     directory: the stages that passed are kept, the others run again, a training continues from its checkpoint."""
     import papermill
 
-    from workbench.observe import report
-    from workbench.secrets import scrub
+    from workbench.observe import report  # lazy: matplotlib
 
     stages = list(stages or STAGES)
     unknown = [s for s in stages if s not in STAGES]
@@ -219,8 +210,6 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir
     if missing:
         raise WorkbenchError(f"notebooks missing: {missing}", f"reinstall the package: they ship in {notebooks}")
     if {"smoke", "train"} & set(stages):
-        from workbench.training.config import preflight
-
         preflight(rr)  # the training's checks before the first notebook starts, not an hour into the run
     kernel = kernel_name()
     recipe = rr.recipe
@@ -254,7 +243,8 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir
             stage_log = run.stage_log(name)
             started = time.time()
             log(f"== {stage}: {name}.ipynb  (log: {stage_log})")
-            result = {"status": "running", "notebook": f"notebooks/{name}.ipynb", "log": f"logs/{name}.log"}
+            result = {"status": "running", "notebook": str(executed.relative_to(run.path)),
+                      "log": str(stage_log.relative_to(run.path))}
             record["results"][stage] = result
             write_atomic(run.record, json.dumps(record, indent=2))
             failure: BaseException | None = None
@@ -281,7 +271,7 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir
                 result["seconds"] = round(time.time() - started, 1)
                 if executed.exists():
                     try:
-                        result["html"] = str(export_html(executed).relative_to(run.path))
+                        result["html"] = str(export_html(executed, run.notebook_page(name)).relative_to(run.path))
                     except Exception as exc:  # an export problem must not hide the stage's own result
                         log(f"   (HTML export failed: {exc})")
             log(f"   {stage}: {result['status']} in {result['seconds']:.0f}s")
@@ -292,7 +282,7 @@ def run(rr: Resolved, stages: list[str] | None = None, log=print, resume: RunDir
                 report_path = report.build(run)
                 raise WorkbenchError(
                     f"stage '{stage}' failed: {record['error']}",
-                    f"read the traceback in {executed} (HTML: {executed.with_suffix('.html')}) and the log "
+                    f"read the traceback in {executed} (HTML: {run.notebook_page(name)}) and the log "
                     f"{stage_log}; the report so far is {report_path}") from failure
     finally:
         shared.close()
@@ -326,7 +316,7 @@ def _stage_error(exc: BaseException) -> str:
 
 
 def _print_outcome(run: RunDir, log) -> None:
-    from workbench.evaluation.evaluate import Evaluation
+    from workbench.evaluation.evaluate import Evaluation  # lazy: requests
 
     evaluation = Evaluation.load(run.eval)
     pair = evaluation.gain() if evaluation else None

@@ -27,6 +27,8 @@ import yaml
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
+from workbench.serving import launch as serving_launch
+from workbench.training import launch as training_launch
 
 MODELS_FILE = Path(__file__).parent / "platform" / "models.yaml"
 CARD_GIB = {"npu": 64.0, "cuda": 80.0}  # 910B2/B3 and A100/H100-80G; distributed.device_memory_gib overrides
@@ -158,9 +160,6 @@ def _env_text(env: dict) -> str:
 def nodes(rr: Resolved) -> list[Node]:
     """Who runs what: the server's node (its own when the server is attached from another machine) and each
     training node."""
-    from workbench.serving import launch as serving_launch
-    from workbench.training import launch as training_launch
-
     r = rr.recipe
     d = r.distributed
     model = rr.model_path
@@ -169,7 +168,7 @@ def nodes(rr: Resolved) -> list[Node]:
     if rr.api_key or r.server.api_key_env:
         server_env["VLLM_API_KEY"] = f"${r.server.api_key_env}"
     out: list[Node] = []
-    remote_server = r.server.mode == "attach"
+    remote_server = r.server.attached
     if remote_server:
         host = rr.server_url.split("//", 1)[1].rsplit(":", 1)[0]
         node = Node("server node", host)

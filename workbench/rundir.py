@@ -22,7 +22,7 @@ One layout for every run, whether `workbench run` executed all stages or `workbe
         eval/    samples.jsonl  summary.json  comparison.md  comparison.png  vllm-server-<port>-<model>.log
                  analysis.json (base vs trained per problem: fixed, broken, breakdowns by category and length)
         bench/   bench.json  bench.md  bench.png  <size>-<path>/ (a training directory per rollout path)
-        lab/     lab.json  lab.md  lab.png (the reward lab: candidate rewards scored, warnings; tasks/rewardlab.py)
+        lab/     lab.json  lab.md  lab.png (the reward lab: rewards scored, warnings; experiments/rewardlab.py)
         protocol/ protocol.json  protocol.md  runs/<label>/<run>/  logs/<label>.log (`workbench protocol`)
 
 Each stage's result type saves and loads itself through these paths (offline, serving sweep, smoke checks,
@@ -38,9 +38,11 @@ import time
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
+from workbench.secrets import redact, scrub, scrub_data, secret_values
 
 RECIPE = "recipe.yaml"
 STOP = "STOP"
+WEIGHTS = "model.safetensors"  # what a Hugging Face save writes (a run's final/ and checkpoints, a base model)
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -63,8 +65,6 @@ def recipe_text(recipe) -> str:
     Stages read this copy: a redacted variable reaches their processes from the environment they inherit instead.
     A recipe without secrets is written exactly as `recipe.to_yaml()`."""
     import yaml
-
-    from workbench.secrets import redact, scrub, scrub_data, secret_values
 
     data = recipe.to_dict()
     envs = {**data["devices"]["env"], **data["server"]["env"]}
@@ -109,6 +109,39 @@ class TrainDir:
     groups = property(lambda self: self.path / "groups")  # step_NNNNNN.parquet: every GRPO group (training/groups.py)
     restart_request = property(lambda self: self.path / "server-restart.request")  # a rank asks for a new server
     restart_answer = property(lambda self: self.path / "server-restart.answer")
+    own_recipe = property(lambda self: self.path / RECIPE)  # a training's own (the smoke variant, a resumed run)
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"checkpoint-{step}"
+
+    def complete_checkpoints(self) -> dict[int, Path]:
+        """Step -> checkpoint directory, for those whose trainer_state.json is written (transformers writes it
+        last, so a checkpoint cut short by a kill is not among them)."""
+        if not self.checkpoints.is_dir():
+            return {}
+        found = {}
+        for path in self.checkpoints.glob("checkpoint-*"):
+            step = path.name.rsplit("-", 1)[1]
+            if step.isdigit() and (path / "trainer_state.json").exists():
+                found[int(step)] = path
+        return dict(sorted(found.items()))
+
+    def completion_logs(self) -> dict[int, Path]:
+        """Step -> TRL's completions_<step>.parquet (trainer.log_completions), in step order."""
+        if not self.completions.is_dir():
+            return {}
+        found = {}
+        for path in self.completions.glob("completions_*.parquet"):
+            digits = "".join(c for c in path.stem if c.isdigit())
+            if digits:
+                found[int(digits)] = path
+        return dict(sorted(found.items()))
+
+    def group_file(self, step: int) -> Path:
+        return self.groups / f"step_{step:06d}.parquet"
+
+    def group_files(self) -> list[Path]:
+        return sorted(self.groups.glob("step_*.parquet")) if self.groups.is_dir() else []
 
     @property
     def recipe(self) -> Path:
@@ -164,7 +197,7 @@ class RunDir:
         self.lab = StageDir(self.path / "lab", json="lab.json", table="lab.md", figure="lab.png")
         # `workbench protocol`: the choice on validation and the result on test; each training's run under runs/
         self.protocol = StageDir(self.path / "protocol", json="protocol.json", table="protocol.md", runs="runs",
-                                 logs="logs")
+                                 logs="logs", server="server")
         # the vLLM server `workbench run` shares between its serving, smoke and training stages, and its restart
         # requests (workbench/pipeline.py _SharedServer)
         self.server = StageDir(self.path / "server")
@@ -181,13 +214,7 @@ class RunDir:
     def create(cls, recipe, kind: str = "run", root: Path | str | None = None) -> "RunDir":
         """A fresh directory under monitor.runs_dir named by time, recipe and kind; the resolved recipe written
         in it, once, without secrets (`recipe_text`): every stage and process of the run reads this file."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        base = Path(root or recipe.monitor.runs_dir)
-        name = f"{stamp}-{safe_name(recipe.name)}-{safe_name(kind)}"
-        path, suffix = base / name, 1
-        while path.exists():
-            suffix += 1
-            path = base / f"{name}-{suffix}"
+        path = _fresh(Path(root or recipe.monitor.runs_dir), f"{safe_name(recipe.name)}-{safe_name(kind)}")
         path.mkdir(parents=True)
         run = cls(path)
         write_atomic(run.recipe, recipe_text(recipe))
@@ -217,9 +244,71 @@ class RunDir:
     def notebook(self, name: str) -> Path:
         return self.notebooks / f"{name}.ipynb"
 
+    def notebook_page(self, name: str) -> Path:
+        """The executed notebook as HTML beside it."""
+        return self.notebooks / f"{name}.html"
+
+    def protocol_log(self, label: str) -> Path:
+        """The output of one `workbench protocol` training (its label: candidate, seed, split)."""
+        return self.protocol.logs / f"{label}.log"
+
+    def bench_training(self, size: str, path: str) -> TrainDir:
+        """One rollout path's training at one model size, in `workbench bench`."""
+        return TrainDir(self.bench.path / f"{size}-{path}")
+
+    def bench_server_logs(self, size: str) -> Path:
+        """The logs of the server the served paths of one size share, in `workbench bench`."""
+        return self.bench.path / size
+
     def stage_log(self, name: str) -> Path:
         return self.logs / f"{name}.log"
 
+
+
+def _fresh(base: Path, name: str) -> Path:
+    """A path under `base` named `<stamp>-<name>` that does not exist yet (-2, -3... when it does)."""
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    path, suffix = base / name, 1
+    while path.exists():
+        suffix += 1
+        path = base / f"{name}-{suffix}"
+    return path
+
+
+def comparison(out: Path | str | None = None, beside: Path | str | None = None) -> StageDir:
+    """What `workbench compare` writes: compare.md, compare.png, compare.json, into `out`, or else into a new
+    `<stamp>-compare/` in the directory `beside` (the runs directory of the first run compared)."""
+    path = Path(out) if out is not None else _fresh(Path(beside), "compare")
+    return StageDir(path, table="compare.md", figure="compare.png", json="compare.json")
+
+
+def weights(model_dir: Path | str) -> Path:
+    """The weights file of a saved model directory (final/, a checkpoint, a base model)."""
+    return Path(model_dir) / WEIGHTS
+
+
+def set_aside(directory: Path) -> Path:
+    """Where an unfinished directory is moved so it can be started again: `<name>.incomplete`, then -2, -3..."""
+    aside, n = directory.with_name(f"{directory.name}.incomplete"), 1
+    while aside.exists():
+        n += 1
+        aside = directory.with_name(f"{directory.name}.incomplete-{n}")
+    return aside
+
+
+def loose_server_logs(runs_dir: Path | str) -> Path:
+    """Where a server started outside any run directory logs: <runs_dir>/servers/."""
+    return Path(runs_dir) / "servers"
+
+
+def server_restart_files(directory: Path | str) -> tuple[Path, Path]:
+    """The request and answer files through which a training asks its owner for a new server."""
+    return Path(directory) / "restart.request", Path(directory) / "restart.answer"
+
+
+def kept_server_log(log_path: Path, restart: int) -> Path:
+    """Where a dead server's log is kept when its replacement starts: vllm-server-<port>.before-restart-N.log."""
+    return log_path.with_name(f"{log_path.stem}.before-restart-{restart}.log")
 
 
 def server_log(directory: Path | str, port: int, name: str | None = None) -> Path:

@@ -127,7 +127,8 @@ def _create(venv: Path, log: Callable[[str], None]) -> None:
     step(f"pip install {len(reqs)} requirements of {DIST} {VLLM}, torch=={TORCH} from PyPI ({req_file.name})")
     _run([py, "-m", "pip", "install", "-r", str(req_file)], log_file, env)
     step("checking that vLLM imports with the workbench's CPU launcher")
-    check = ("import workbench.serving.vllm_cpu, importlib.metadata as m, torch, vllm, json; "
+    check = ("from workbench.serving import vllm_cpu; vllm_cpu.answer_version_lookup(); "
+             "import importlib.metadata as m, torch, vllm, json; "
              "from vllm.platforms import current_platform; "
              "print(json.dumps({'vllm': vllm.__version__, 'vllm_cpu': m.version('vllm-cpu'), 'torch': torch.__version__, "
              "'transformers': m.version('transformers'), 'platform': type(current_platform).__name__}))")

@@ -1,3 +1,3 @@
-"""Evaluation through the server: base vs trained, repeated and concurrent (evaluate.py); what changed problem
-by problem (analysis.py); the serving sweep (sweep.py); settings chosen on validation, reported on test over
-seeds (protocol.py)."""
+"""Evaluation through the server: base vs trained, repeated and concurrent, checkpoints of one model on one server
+(evaluate.py); what changed problem by problem (analysis.py); the server's throughput against requests in flight
+(sweep.py)."""

@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workbench.errors import WorkbenchError
+from workbench.recipe.schema import ANALYSIS_COLUMNS, ANALYSIS_OUTCOMES
 from workbench.rundir import StageDir, write_atomic
+from workbench.tasks import arithmetic, dataset
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -44,13 +46,11 @@ if TYPE_CHECKING:
     from workbench.evaluation.evaluate import Evaluation
     from workbench.recipe import Recipe, Resolved
 
-OUTCOMES = ("fixed", "broken", "both_right", "both_wrong")
+OUTCOMES = ANALYSIS_OUTCOMES
 OUTCOME_NAMES = {"fixed": "fixed (wrong → right)", "broken": "broken (right → wrong)", "both_right": "both right",
                  "both_wrong": "both wrong"}
 LENGTH = "response_length"
-# Columns per_problem computes; a dataset field of the same name cannot be a breakdown.
-COLUMNS = ("id", "base", "trained", *OUTCOMES, "outcome", "base_tokens", "trained_tokens", "trained_truncated",
-           LENGTH, "prompt", "gold", "base_response", "trained_response")
+COLUMNS = ANALYSIS_COLUMNS  # the columns per_problem computes (the recipe refuses a breakdown field named so)
 LENGTH_AT = COLUMNS.index(LENGTH)
 MISSING = "(missing)"
 
@@ -79,27 +79,15 @@ def compared_models(evaluation: Evaluation) -> tuple[str, str, str]:
 
 def breakdown_fields(recipe: Recipe) -> list[str]:
     """The category columns the recipe's analysis breaks down by: eval.breakdown, or for the arithmetic task all
-    of its categories when that is empty."""
-    from workbench.tasks import arithmetic
-
+    of its categories when that is empty (the names were checked when the recipe was loaded: recipe/load.py)."""
     fields = list(recipe.eval.breakdown)
     if recipe.data.name == "arithmetic":
-        unknown = [f for f in fields if f not in arithmetic.CATEGORIES]
-        if unknown:
-            raise WorkbenchError(f"eval.breakdown names {unknown}, not categories of the arithmetic task",
-                                 f"use some of: {', '.join(arithmetic.CATEGORIES)} (or leave it empty for all)")
         return fields or list(arithmetic.CATEGORIES)
-    reserved = [f for f in fields if f in COLUMNS]
-    if reserved:
-        raise WorkbenchError(f"eval.breakdown names {reserved}, which the analysis computes itself",
-                             "response length is always broken down; name other dataset fields")
     return fields
 
 
 def category_values(recipe: Recipe, fields: list[str]) -> dict[str, dict[str, Any]]:
     """Problem id -> {field: value} for the recipe's eval rows (the problems the evaluation scored)."""
-    from workbench.tasks import dataset
-
     if not fields:
         return {}
     d = recipe.data

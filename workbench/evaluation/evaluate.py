@@ -36,12 +36,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
-from workbench.recipe import Resolved
+from workbench.recipe import Resolved, load
 from workbench.rundir import StageDir, write_atomic
-from workbench.serving import client
+from workbench.serving import client, launch
+from workbench.serving.server import VLLMServer, shared_server
 from workbench.tasks import dataset
 from workbench.tasks.grading import grade
-
+from workbench.tinymodel import ensure_model
+from workbench.training.canary import Canary, probe_sequences, thresholds
 
 # ----------------------------------------------------------------------------------------------------------------
 # Preflight
@@ -323,8 +325,7 @@ def comparison_table(summaries: list[Summary]) -> str:
 
 
 def comparison_figure(summaries: list[Summary], path: Path) -> Path:
-    from workbench.observe import figures
-    plt = figures.plt
+    from workbench.plots import plt, save_png  # lazy: matplotlib
 
     fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(summaries)), 3.2))
     names = [s.model for s in summaries]
@@ -337,7 +338,7 @@ def comparison_figure(summaries: list[Summary], path: Path) -> Path:
     ax.set_ylim(0, min(100, max(means + [10]) * 1.25 + 5))
     ax.set_title(f"{summaries[0].split_label} accuracy, {summaries[0].n} problems × {summaries[0].repeats}")
     fig.tight_layout()
-    return figures.save_png(fig, path, dpi=110)
+    return save_png(fig, path, dpi=110)
 
 
 # config.json keys a checkpoint may change without changing what the server must be (written by whoever saved it)
@@ -376,9 +377,6 @@ def _one_server(rr: Resolved, paths: list[str], log) -> bool:
     weight-update endpoints stay on this machine (or that the recipe lets take remote updates). Always when
     `workbench run` shares a server of this recipe with its stages: it holds whatever the training left in it, so
     even a single model is loaded into it before it is scored."""
-    from workbench.serving import launch
-    from workbench.serving.server import shared_server
-
     s = rr.recipe.server
     shared = (shared_server() or {}).get("command") == launch.command(rr, str(paths[0]))
     if not shared and (len(paths) < 2 or not (launch.is_loopback(s.host) or s.allow_remote_weight_updates)):
@@ -402,8 +400,7 @@ def load_weights(rr: Resolved, url: str, path: str) -> tuple[float, float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workbench.serving import sync
-    from workbench.training.canary import Canary, probe_sequences, thresholds
+    from workbench.serving import sync  # lazy: torch
 
     started = time.perf_counter()
     dtype = rr.recipe.server.dtype
@@ -438,13 +435,11 @@ def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir
     `stage` (a run's eval directory) when given. `server`: a running server of this recipe with its weight-update
     endpoints (a shared one, serving/shared.py) to load every model into instead of starting one; the models must
     be checkpoints of the model it serves."""
-    from workbench.tasks.tinymodel import ensure_model
-
     recipe = rr.recipe
     rows = eval_rows(rr)
     result = Evaluation([])
     log_dir = stage.path if stage is not None else None
-    if recipe.server.mode == "attach":
+    if recipe.server.attached:
         info = preflight(rr, rows)
         log(f"preflight: {info}")
         summary, got = evaluate_server(rr, recipe.server.served_model_name, rows, quiet=quiet)
@@ -501,9 +496,6 @@ def _lanes(rr: Resolved, models: int) -> list[Resolved]:
     on the trainer's (idle while evaluating) under the next port, so that the next model's server starts while the
     current one is scored (a server start is 20-60 s of imports and engine set-up). One lane where the trainer's
     devices are fewer than the server's, shared with it, or on another node, or where the next port is taken."""
-    from workbench.recipe import load
-    from workbench.serving import launch
-
     r = rr.recipe
     server, trainer = list(r.devices.server), list(r.devices.trainer)
     if models < 2 or r.distributed.nodes > 1 or len(trainer) < len(server) or set(trainer) & set(server):
@@ -525,8 +517,6 @@ def _loaded_in_turn(rr: Resolved, items: list[tuple[str, str]], log_dir: Path | 
     (it holds whatever a training left in it). The weight-update endpoints are on (for_training): on
     loopback, or where the recipe allows remote weight updates (_one_server). A server started here is stopped
     however the caller ends."""
-    from workbench.serving.server import VLLMServer
-
     srv = running or VLLMServer(rr, items[0][1], log_dir, quiet=quiet, for_training=True, name=items[0][0])
     try:
         if running is None:
@@ -548,8 +538,6 @@ def _servers(items: list[tuple[str, str]], lanes: list[Resolved], log_dir: Path 
     started in the background on the other lane while the caller scores the current one. Every server is stopped,
     also when the caller stops early or raises."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from workbench.serving.server import VLLMServer
 
     def server(i: int):
         label, path = items[i]

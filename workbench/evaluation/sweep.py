@@ -3,6 +3,7 @@
     from workbench.evaluation import sweep
     result = sweep.run(rr, rows, [1, 4, 16], url=srv.url)     # -> Sweep
     result.save(run.serving); sweep.Sweep.load(run.serving)   # serving.json (+ serving.png from result.figure)
+    result, path = sweep.measure(rr, [1, 4, 16])              # on a server and in a run directory of its own
     workbench eval --sweep 1,4,16                              # the same from the shell
 
 Each concurrency sends the same rows through the evaluator's async client; the sequential loop is the reference,
@@ -17,9 +18,12 @@ from pathlib import Path
 
 import requests
 
-from workbench.evaluation.evaluate import evaluate_server
+from workbench.evaluation.evaluate import evaluate_server, preflight
 from workbench.recipe import Resolved
-from workbench.rundir import StageDir, write_atomic
+from workbench.rundir import RunDir, StageDir, write_atomic
+from workbench.serving.server import VLLMServer
+from workbench.tasks import dataset
+from workbench.tinymodel import ensure_model
 
 HEADER = ["requests in flight", "requests/s", "tokens/s", "vs sequential loop"]
 
@@ -58,8 +62,7 @@ class Sweep:
 
     def figure(self, path: Path) -> Path:
         """Throughput against requests in flight, with the sequential loop as the reference line."""
-        from workbench.observe import figures
-        plt = figures.plt
+        from workbench.plots import plt, save_png  # lazy: matplotlib
 
         items = sorted(self.by_concurrency.items())
         fig, ax = plt.subplots(figsize=(5.5, 3.4))
@@ -71,7 +74,7 @@ class Sweep:
         ax.set_title(f"server throughput vs concurrency ({self.n} requests each)")
         ax.legend()
         fig.tight_layout()
-        return figures.save_png(fig, path, dpi=100)
+        return save_png(fig, path, dpi=100)
 
 
 def sequential_baseline(rr: Resolved, rows: list[dict], url: str | None = None) -> float:
@@ -100,3 +103,19 @@ def run(rr: Resolved, rows: list[dict], concurrencies: list[int], url: str | Non
         log(f"concurrency {c:3d}: {summary.requests_per_second:6.1f} requests/s, {summary.tokens_per_second:6.0f} "
             f"tokens/s, x{summary.requests_per_second / sequential:.2f} vs sequential")
     return result
+
+
+def measure(rr: Resolved, concurrencies: list[int], log=print) -> tuple[Sweep, Path]:
+    """`workbench eval --sweep`: a run directory of its own, a server of its own on the recipe's model, the sweep
+    over the recipe's evaluation rows, saved there. Returns the sweep and its serving.json."""
+    import os
+    import platform
+
+    stage = RunDir.create(rr.recipe, "sweep").serving
+    rows = dataset.eval_rows(rr.recipe)
+    with VLLMServer(rr, ensure_model(rr), stage.make().path) as srv:
+        preflight(rr, rows, srv.url)
+        result = run(rr, rows, concurrencies, url=srv.url, log=log)
+    result.machine = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, server on {list(rr.server.devices)}"
+    return result, result.save(stage)
+

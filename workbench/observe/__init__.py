@@ -1,1 +1,4 @@
-"""Observation: JSON-lines records, the sampler and its probes, the Prometheus scraper, the advisor, figures, HTML views, the live dashboard and the report."""
+"""The readers of finished and running runs: the run's data (rundata.py), the training figure (figures.py), text
+and HTML views (views.py), the live dashboard (dashboard.py), the advisor (advisor.py), GRPO groups (groups.py),
+runs side by side (compare.py) and the report (report.py). The instruments they read are written below: records
+(workbench/records.py), the sampler (training/monitor.py), probes (platform/probes/), the scraper (serving/)."""

@@ -30,9 +30,12 @@ from typing import Iterable
 import pandas as pd
 import yaml
 
+from workbench import plots
 from workbench.errors import WorkbenchError
+from workbench.notebook import parameter_list
 from workbench.observe import figures, rundata
-from workbench.rundir import RECIPE, RunDir, TrainDir, write_atomic
+from workbench.plots import plt
+from workbench.rundir import RECIPE, RunDir, TrainDir, comparison, write_atomic
 
 # Recipe keys that differ between runs without changing what is trained; differing_keys leaves them out.
 IGNORED_KEYS = {
@@ -61,7 +64,6 @@ TITLES = {"reward": "reward (mean per completion)", "kl": "KL to the reference",
           "rollout/tokens_per_second": "generation tokens/s"}
 # What a comparison writes into its output directory (a comparison is not a run: these live outside rundir.py's
 # run layout, in the directory `workbench compare --out` names or notebook 07's run directory).
-OUTPUT_FILES = {"table": "compare.md", "figure": "compare.png", "json": "compare.json"}
 TAG_NAME_LIMIT = 64
 ABSENT = "(absent)"  # a recipe key one run's recipe does not have (a recipe from before the key existed)
 _STAGE_DIRS = ("train", "smoke")
@@ -134,7 +136,7 @@ def _check_run(run: RunDir) -> RunDir:
 
 def _training(path: Path) -> tuple[TrainDir, Path, str]:
     """(training directory, run directory, default label) of one path given by the user."""
-    if (path / "metrics.jsonl").exists():  # a training directory itself: RUN/train, RUN/smoke, a bench path's
+    if TrainDir(path).metrics.exists():  # a training directory itself: RUN/train, RUN/smoke, a bench path's
         path = path.resolve()  # its parent, even for `.` or `train`
         if path.name in _STAGE_DIRS and (path.parent / RECIPE).exists():
             return TrainDir(path), path.parent, f"{path.parent.name}/{path.name}"
@@ -157,7 +159,7 @@ def _load_recipe(train: TrainDir, root: Path) -> dict:
 
 
 def _evaluation(root: Path) -> list[dict]:
-    from workbench.evaluation.evaluate import Evaluation
+    from workbench.evaluation.evaluate import Evaluation  # lazy: requests
 
     result = Evaluation.load(RunDir(root).eval)
     if result is None:
@@ -344,8 +346,6 @@ def _check_metrics(runs: Runs, keys: list[str]) -> None:
 def curves_figure(runs: Runs, metrics: str | Iterable[str] | None = None, path: Path | str | None = None):
     """One panel per metric, one line per run in each (against the step); saved as PNG to `path` when given.
     Returns the matplotlib figure (its axes keep their lines after saving)."""
-    import matplotlib.pyplot as plt
-
     keys = metric_keys(metrics)
     _check_metrics(runs, keys)
     cols = min(2, len(keys))
@@ -378,7 +378,7 @@ def curves_figure(runs: Runs, metrics: str | Iterable[str] | None = None, path: 
         ax.set_visible(False)
     fig.tight_layout()
     if path is not None:
-        figures.save_png(fig, path)
+        plots.save_png(fig, path)
     return fig
 
 
@@ -451,13 +451,13 @@ def _jsonable(frame: pd.DataFrame) -> list[dict]:
     return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in records]
 
 
-def save(runs: Runs, out: Path | str, metrics: str | Iterable[str] | None = None) -> dict[str, Path]:
-    """Write compare.md, compare.png and compare.json into `out` (made if missing); returns their paths."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / file for name, file in OUTPUT_FILES.items()}
+def save(runs: Runs, out: Path | str | None = None, metrics: str | Iterable[str] | None = None) -> dict[str, Path]:
+    """Write compare.md, compare.png and compare.json into `out` (made if missing), or without it into a new
+    `<stamp>-compare/` beside the first run; returns their paths."""
+    stage = comparison(out, beside=runs.runs[0].root.parent).make()
+    paths = {"table": stage.table, "figure": stage.figure, "json": stage.json}
     curves_figure(runs, metrics, paths["figure"])
-    write_atomic(paths["table"], markdown(runs, figure=OUTPUT_FILES["figure"]))
+    write_atomic(paths["table"], markdown(runs, figure=stage.figure.name))
     keys = differing_keys(runs)
     data = {
         "runs": [{"label": r.label, "path": str(r.path), "tag": r.tag or None} for r in runs.runs],
@@ -497,8 +497,6 @@ def select(entries: Iterable[str] | str | None, root: Path | str, newest: int = 
     """Run paths from a notebook's parameter: a list of directories or glob patterns (what `papermill -p` passes, a
     string, is split like a shell line, or read as a list when written as one: '["runs/A", "runs/B"]'), or, when
     empty, the `newest` trained runs under `root`."""
-    from workbench.notebook import parameter_list
-
     entries = parameter_list(entries, "runs", "runs/A")
     if not entries:
         chosen = trained_runs(root, newest, exclude)
@@ -513,15 +511,3 @@ def select(entries: Iterable[str] | str | None, root: Path | str, newest: int = 
             raise WorkbenchError(f"no run directory matches {entry!r}", "check the pattern against `ls runs`")
         paths += [Path(m) for m in matches]
     return paths
-
-
-def default_out(runs: Runs) -> Path:
-    """Where `workbench compare` writes without --out: a new `<stamp>-compare/` beside the first run (in its runs
-    directory)."""
-    base = runs.runs[0].root.parent
-    name = f"{time.strftime('%Y%m%d-%H%M%S')}-compare"
-    path, suffix = base / name, 1
-    while path.exists():
-        suffix += 1
-        path = base / f"{name}-{suffix}"
-    return path

@@ -21,10 +21,10 @@ import os
 import subprocess
 import time
 
+from workbench import plots
 from workbench.observe import advisor, figures
 from workbench.observe.rundata import RunData
-from workbench.observe.views import (completions_html, events_html, findings_html, fmt_seconds, summary_rows,
-                                     table_html)
+from workbench.observe.views import completions_html, events_html, findings_html, fmt_seconds, summary_rows, table_html
 from workbench.rundir import TrainDir
 
 
@@ -87,7 +87,7 @@ class Dashboard:
         due = time.time() - self._drawn_at >= 3 * self.refresh_s or prog["finished"]
         if rows != self._drawn_rows and due:
             self._drawn_rows, self._drawn_at = rows, time.time()
-            png = figures.png_bytes(figures.training_figure(self.data))
+            png = plots.png_bytes(figures.training_figure(self.data))
             self.curves.outputs = ()  # replaced, not appended: one current figure
             self.curves.append_display_data(Image(data=png))
             self.advice.value = findings_html(advisor.advise(self.data))
@@ -169,7 +169,7 @@ class Dashboard:
         from IPython.display import HTML, Image, display
 
         self.data.refresh()
-        display(Image(data=figures.png_bytes(figures.training_figure(self.data))))
+        display(Image(data=plots.png_bytes(figures.training_figure(self.data))))
         display(HTML(table_html(summary_rows(self.data))))
         display(HTML(findings_html(advisor.advise(self.data))))
         if self.data.events:

@@ -1,7 +1,7 @@
 """The training figure: one matplotlib figure with every curve a GRPO run needs, for the dashboard and the report.
 
     fig = figures.training_figure(rundata.load("runs/<id>"))
-    png = figures.png_bytes(fig)
+    png = plots.png_bytes(fig)
 
 Panels: reward (total and per reward function), KL, entropy, completion length (mean, max, clipped ratio),
 learning signal (reward std, groups with no signal), step-time breakdown, device utilization per role, device
@@ -10,13 +10,9 @@ instead of drawing an empty axis.
 """
 from __future__ import annotations
 
-import io
 from collections import defaultdict
 
-import matplotlib
-
-matplotlib.use("Agg")  # before pyplot: headless everywhere (papermill, CI, a training process)
-import matplotlib.pyplot as plt  # noqa: E402
+from workbench.plots import plt
 
 # the phases that add up to a step: the trainer's wait for rollouts (all of the generation when synchronous, the
 # part the step did not cover when async; runs from before the split logged only time/generation)
@@ -171,17 +167,3 @@ def training_figure(data, title: str | None = None):
             panel.set_xlabel("step", fontsize=8)
     fig.tight_layout()
     return fig
-
-
-def png_bytes(fig, dpi: int = 80) -> bytes:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi)
-    plt.close(fig)
-    return buffer.getvalue()
-
-
-def save_png(fig, path, dpi: int = 100):
-    """Write the figure atomically (a reader never sees half a PNG) and close it."""
-    from workbench.rundir import write_atomic
-
-    return write_atomic(path, png_bytes(fig, dpi=dpi))

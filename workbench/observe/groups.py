@@ -24,7 +24,7 @@ SPREAD_EPS = 1e-9
 
 
 def files(train: TrainDir) -> list[Path]:
-    return sorted(train.groups.glob("step_*.parquet")) if train.groups.is_dir() else []
+    return train.group_files()
 
 
 def load(train: TrainDir, steps: list[int] | None = None) -> pd.DataFrame:

@@ -18,6 +18,8 @@ import json
 import time
 from pathlib import Path
 
+from workbench import plots, recipe
+from workbench.evaluation import analysis
 from workbench.evaluation.evaluate import Evaluation
 from workbench.evaluation.sweep import HEADER as SWEEP_HEADER, Sweep
 from workbench.observe import advisor, figures, views
@@ -130,13 +132,9 @@ def _evaluation(run: RunDir) -> tuple[str, Evaluation | None]:
 def _per_problem(run: RunDir, evaluation: Evaluation | None) -> str:
     """Base vs trained problem by problem: the outcome counts and every breakdown in one table. From analysis.json
     (notebook 05 writes it), else computed from the samples and the run's recipe (a `workbench eval` run)."""
-    from workbench.evaluation import analysis
-
     found = analysis.Analysis.load(run.eval)
     if found is None and evaluation is not None and len(evaluation.summaries) > 1 and run.recipe.exists():
         try:
-            from workbench import recipe
-
             found = analysis.analyse(evaluation, recipe.load(str(run.recipe)))
         except Exception:  # a recipe that no longer loads (a data file gone): the rest of the report still comes
             return ""
@@ -158,7 +156,7 @@ def _training(train_dir: TrainDir) -> str:
     data.refresh()
     out = "<h2>Training</h2>"
     title = f"GRPO · {train_dir.path.parent.name}/{train_dir.path.name}"
-    out += _img(figures.png_bytes(figures.training_figure(data, title=title)), "training curves")
+    out += _img(plots.png_bytes(figures.training_figure(data, title=title)), "training curves")
     out += _table(["", "value"], [list(r) for r in views.summary_rows(data)], left=1)
     if data.events:  # interruptions, restarts, alarms: what happened to the run, in order
         out += "<h3>Events</h3>" + views.events_html(data.events)

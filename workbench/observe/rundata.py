@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from workbench.observe.records import Tail
+from workbench.records import Tail
 from workbench.rundir import TrainDir
 
 
@@ -104,7 +104,7 @@ class RunData:
 
     def latest_completions(self, n: int = 4) -> list[dict]:
         """The newest logged completions (TRL's log_completions parquet files) with their rewards."""
-        files = sorted(self.dir.completions.glob("completions_*.parquet"))
+        files = list(self.dir.completion_logs().values())
         if not files or n <= 0:
             return []
         import pandas as pd

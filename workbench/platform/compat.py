@@ -4,9 +4,8 @@
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import functools
+from pathlib import Path
 
 import yaml
 from packaging.version import Version

@@ -26,7 +26,10 @@ import yaml
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import trl_fields
-from workbench.recipe.schema import SECTIONS, Recipe
+from workbench.recipe.schema import ANALYSIS_COLUMNS, SECTIONS, Recipe
+from workbench.tasks import rewardspec
+from workbench.tasks.arithmetic import CATEGORIES, SPLITS
+from workbench.tasks.dataset import DATASETS, FIELD_KEYS, KNOWN
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -194,6 +197,11 @@ def _coerce(value: Any, tp: Any, where: str, problems: list | None = None) -> An
         raise errors[0]
     if tp is Any:
         return value
+    if origin is typing.Literal:  # a knob with fixed choices (schema.py): one of them, of the same type
+        allowed = typing.get_args(tp)
+        if any(value == a and type(value) is type(a) for a in allowed):
+            return value
+        raise WorkbenchError(f"{where} is {value!r}", f"use one of: {', '.join(map(str, allowed))}")
     if origin is list:
         if not isinstance(value, list):
             raise _type_error(where, value, tp)
@@ -343,7 +351,7 @@ def _ranges(recipe: Recipe) -> list[WorkbenchError]:
     for role in ("server", "trainer"):
         ids = getattr(recipe.devices, role)
         where = f"devices.{role}"
-        if not ids and (role == "trainer" or s.mode == "managed"):
+        if not ids and (role == "trainer" or s.managed):
             out.append(WorkbenchError(f"{where} is empty", f"list the device ids (CPU: cores) the {role} uses"))
         if any(i < 0 for i in ids):
             out.append(WorkbenchError(f"{where} lists negative ids {[i for i in ids if i < 0]}",
@@ -357,10 +365,10 @@ def _ranges(recipe: Recipe) -> list[WorkbenchError]:
 def _rollout(recipe: Recipe) -> list[WorkbenchError]:
     """What an overlapped (async) rollout needs: a server to overlap with, one generation per optimizer step, and
     TRL's importance-sampling correction for the step-old samples."""
-    if recipe.rollout.mode != "async":
+    if not recipe.rollout.overlapped:
         return []
     out, t = [], recipe.trainer
-    if recipe.server.mode not in ("managed", "attach"):
+    if not recipe.server.over_http:
         out.append(WorkbenchError(f"rollout.mode is 'async' but server.mode is {recipe.server.mode!r}",
                                   "async rollouts overlap a vLLM server with training: set server.mode to managed "
                                   "or attach, or rollout.mode to sync"))
@@ -382,8 +390,6 @@ def _rollout(recipe: Recipe) -> list[WorkbenchError]:
 
 def _data(recipe: Recipe) -> list[WorkbenchError]:
     """The data section names a dataset that exists, with a file where one is needed and known field names."""
-    from workbench.tasks.dataset import DATASETS, FIELD_KEYS, KNOWN
-
     d, out = recipe.data, []
     if d.name not in KNOWN:
         out.append(WorkbenchError(f"data.name is {d.name!r}, not a known dataset", f"use one of: {', '.join(KNOWN)}"))
@@ -413,8 +419,6 @@ def _data(recipe: Recipe) -> list[WorkbenchError]:
         out.append(WorkbenchError("eval.split is validation but data.validation_size is 0",
                                   "set data.validation_size to the rows to keep for choosing settings"))
     if d.name == "arithmetic":
-        from workbench.tasks.arithmetic import SPLITS
-
         if d.split != "train":
             out.append(WorkbenchError(f"data.split is {d.split!r}: arithmetic trains on its 'train' split only",
                                       "set data.split=train (validation and heldout are kept out of training)"))
@@ -430,10 +434,8 @@ def _data(recipe: Recipe) -> list[WorkbenchError]:
 
 def _breakdown(recipe: Recipe) -> list[WorkbenchError]:
     """eval.breakdown names each field once; for the arithmetic task, its categories. A dataset's fields are
-    columns of its records, checked when the analysis reads them (workbench/evaluation/analysis.py)."""
-    from workbench.evaluation.analysis import COLUMNS
-    from workbench.tasks.arithmetic import CATEGORIES
-
+    columns of its records, checked when the analysis reads them (workbench/evaluation/analysis.py), and may not
+    be named like the columns the analysis computes itself (schema.ANALYSIS_COLUMNS)."""
     fields, out = recipe.eval.breakdown, []
     repeated = sorted({f for f in fields if fields.count(f) > 1})
     if repeated:
@@ -445,7 +447,7 @@ def _breakdown(recipe: Recipe) -> list[WorkbenchError]:
     if recipe.data.name == "arithmetic" and unknown:
         out.append(WorkbenchError(f"eval.breakdown names {unknown}, not categories of the arithmetic task",
                                   f"use some of: {', '.join(CATEGORIES)} (or leave it empty for all three)"))
-    reserved = [f for f in fields if f in COLUMNS]
+    reserved = [f for f in fields if f in ANALYSIS_COLUMNS]
     if recipe.data.name != "arithmetic" and reserved:
         out.append(WorkbenchError(f"eval.breakdown names {reserved}, which the analysis computes itself",
                                   "response length is always broken down; name other fields of the records"))
@@ -476,25 +478,9 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
     if isinstance(recipe.trainer.get("learning_rate"), (int, float)) and recipe.trainer["learning_rate"] <= 0:
         problems.append(WorkbenchError(f"trainer.learning_rate is {recipe.trainer['learning_rate']!r}",
                                        "set a positive learning rate, e.g. 1e-6"))
-    from workbench.tasks import rewardspec
 
     # each reward's function imported and checked (module:function, TRL's signature, its args) at load
     problems += rewardspec.problems(recipe.rewards)
-    choices = {
-        "server.mode": (recipe.server.mode, ("managed", "attach", "colocate", "off")),
-        "rollout.mode": (recipe.rollout.mode, ("sync", "async")),
-        "server.weight_sync": (recipe.server.weight_sync, ("auto", "nccl", "hccl", "reload", "none")),
-        "devices.platform": (recipe.devices.platform, ("auto", "cpu", "cuda", "npu")),
-        "eval.endpoint": (recipe.eval.endpoint, ("chat", "completions")),
-        "model.dtype": (recipe.model.dtype, ("auto", "float32", "bfloat16", "float16")),
-        "model.tiny.lr_schedule": (recipe.model.tiny.lr_schedule, ("cosine", "constant")),
-        "distributed.strategy": (recipe.distributed.strategy, ("ddp", "deepspeed", "fsdp")),
-        "distributed.mixed_precision": (recipe.distributed.mixed_precision, ("auto", "no", "bf16", "fp16")),
-        "distributed.zero_stage": (recipe.distributed.zero_stage, (1, 2, 3)),
-    }
-    for where, (value, allowed) in choices.items():
-        if value not in allowed:
-            problems.append(WorkbenchError(f"{where} is {value!r}", f"use one of: {', '.join(map(str, allowed))}"))
     dist = recipe.distributed
     if dist.processes is not None and dist.processes < 1:
         problems.append(WorkbenchError(f"distributed.processes is {dist.processes}",
@@ -502,7 +488,7 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
     if dist.nodes < 1 or not 0 <= dist.node_rank < dist.nodes:
         problems.append(WorkbenchError(f"distributed.node_rank={dist.node_rank} with distributed.nodes={dist.nodes}",
                                        "node_rank counts from 0 to nodes - 1"))
-    if recipe.server.mode == "attach" and not recipe.server.url:
+    if recipe.server.attached and not recipe.server.url:
         problems.append(WorkbenchError("server.mode is 'attach' but server.url is not set",
                                        "set server.url to the running server, e.g. http://127.0.0.1:8000"))
     problems += _rollout(recipe)
@@ -514,7 +500,7 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
     except (TypeError, ValueError):  # already reported as a type problem above
         completion = None
     needed = recipe.data.max_prompt_length + completion if completion is not None else None
-    if needed is not None and recipe.server.mode != "off" and recipe.server.max_model_len < needed:
+    if needed is not None and recipe.server.uses_vllm and recipe.server.max_model_len < needed:
         problems.append(WorkbenchError(
             f"server.max_model_len={recipe.server.max_model_len} is smaller than data.max_prompt_length "
             f"({recipe.data.max_prompt_length}) + trainer.max_completion_length ({completion}) = {needed}",
@@ -522,7 +508,7 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
     platform = recipe.devices.platform
     # Server and trainer cards must differ only where both start on one node: checked by `workbench train`
     # (training.train.check_device_split), not here, so the server node of a two-node recipe can `workbench serve`.
-    if recipe.server.mode == "managed" and platform in ("cuda", "npu"):
+    if recipe.server.managed and platform in ("cuda", "npu"):
         tp_dp = recipe.server.tensor_parallel_size * recipe.server.data_parallel_size
         if tp_dp != len(recipe.devices.server):
             problems.append(WorkbenchError(

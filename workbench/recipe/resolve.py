@@ -18,8 +18,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from workbench import paths
 from workbench.errors import WorkbenchError
+from workbench.platform import compat
+from workbench.platform.detect import detect_platform
 from workbench.recipe.schema import TINY_BUILD_VERSION, Recipe, TinyModelConfig
+from workbench.secrets import REDACTED
 
 VISIBLE_DEVICES = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
 
@@ -70,7 +74,6 @@ class Resolved:
         """What this machine offers (the environment check compares it with the recipe's platform)."""
         if self.recipe.devices.platform == "auto":
             return self.platform
-        from workbench.platform.detect import detect_platform
 
         return detect_platform()
 
@@ -80,7 +83,7 @@ class Resolved:
 
 
 def server_url(recipe: Recipe) -> str:
-    if recipe.server.mode == "attach" and recipe.server.url:
+    if recipe.server.attached and recipe.server.url:
         return recipe.server.url.rstrip("/")
     host = "127.0.0.1" if recipe.server.host in ("0.0.0.0", "::", "") else recipe.server.host
     return f"http://{host}:{recipe.server.port}"
@@ -89,8 +92,6 @@ def server_url(recipe: Recipe) -> str:
 def server_versions(platform: str) -> tuple[dict, str]:
     """What the server runs: the installed vLLM / vllm-ascend, or, for an Ascend recipe resolved on a machine without
     vllm-ascend (a plan made on a laptop), the recommended row of the matrix."""
-    from workbench.platform import compat
-
     installed = compat.installed_server_versions()
     if platform == "npu" and not installed.get("vllm_ascend"):
         row = compat.recommended()
@@ -101,13 +102,11 @@ def server_versions(platform: str) -> tuple[dict, str]:
 def weight_sync(recipe: Recipe, platform: str, versions: dict | None = None) -> str:
     """The recipe's weight sync, 'auto' resolved for the server's versions (NCCL on CUDA; on Ascend the HCCL engine
     where the row has it; file reload elsewhere), refused up front when the row cannot do it."""
-    from workbench.platform import compat
-
     versions = versions if versions is not None else server_versions(platform)[0]
     method = recipe.server.weight_sync
     if method == "auto":
         method = compat.auto_sync(platform, versions)
-    if method == "reload" and recipe.server.mode == "attach" and not recipe.server.sync_dir:
+    if method == "reload" and recipe.server.attached and not recipe.server.sync_dir:
         from urllib.parse import urlparse
 
         host = urlparse(recipe.server.url or "").hostname or ""
@@ -117,7 +116,7 @@ def weight_sync(recipe: Recipe, platform: str, versions: dict | None = None) -> 
                                  "machines see", "set server.sync_dir to a shared directory (NFS) mounted at the same "
                                  "path on both, or use the nccl / hccl weight sync, which crosses nodes")
     ok, why = compat.sync_support(platform, method, versions)
-    if not ok and recipe.server.mode != "off":
+    if not ok and recipe.server.uses_vllm:
         raise WorkbenchError(why, "install a row that has it (workbench/platform/compat.yaml), or choose another "
                                   "server.weight_sync")
     return method
@@ -137,8 +136,6 @@ def settings_key(tiny: TinyModelConfig, data_seed: int, heldout_size: int, valid
 
 def model_dir(recipe: Recipe, root: Path | None = None) -> Path:
     """Where the tiny model for this recipe lives, built or not (under workbench.paths.data_dir())."""
-    from workbench import paths
-
     key = settings_key(recipe.model.tiny, recipe.data.seed, recipe.data.heldout_size, recipe.data.validation_size)
     return Path(root or paths.data_dir() / "tiny-model") / key
 
@@ -161,10 +158,6 @@ def model_path(recipe: Recipe) -> str:
 
 
 def _roles(recipe: Recipe, platform: str, sync: str) -> tuple[Role, Role]:
-    from workbench.platform import compat
-
-    from workbench.secrets import REDACTED
-
     d = recipe.devices
     # a run directory's recipe copy has secrets redacted: those variables come from the inherited environment
     server_env, trainer_env = ({k: v for k, v in d.env.items() if v != REDACTED},) * 2
@@ -202,8 +195,6 @@ def resolve(recipe: Recipe, platform: str | None = None, versions: dict | None =
         if recipe.devices.platform != "auto":
             platform = recipe.devices.platform
         else:
-            from workbench.platform.detect import detect_platform
-
             platform = detect_platform()
     key = None
     if recipe.server.api_key_env:

@@ -1,5 +1,9 @@
 """The recipe's sections as dataclasses: every knob, its type, its default and (in a comment) what it does.
 
+A knob with a fixed set of values says so in its type (`Literal[...]`): the loader refuses anything else with the
+list, so the choices live here and nowhere else. Code asks a resolved recipe named questions about them
+(`rr.managed`, `rr.attached`, ...; workbench/recipe/resolve.py) rather than comparing strings.
+
 A recipe has ten sections: model, data, server, rollout, trainer, rewards, devices, distributed, monitor, eval. Each
 knob lives in
 exactly one of them; the trainer arguments TRL needs for the server, the rewards and the device come from the
@@ -9,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+
+from workbench.recipe.trl_fields import default
 
 SECTIONS = ("model", "data", "server", "rollout", "trainer", "rewards", "devices", "distributed", "monitor", "eval")
 
@@ -34,14 +40,14 @@ class TinyModelConfig:
     batch_size: int = 32
     learning_rate: float = 2e-3
     warmup_steps: int = 20
-    lr_schedule: str = "cosine"  # cosine (to 10%) | constant (a noisier, higher-entropy policy)
+    lr_schedule: Literal["cosine", "constant"] = "cosine"  # cosine (to 10%) | constant (noisier, higher entropy)
     eval_size: int = 300  # held-out problems scored after pre-training
 
 
 @dataclass
 class ModelConfig:
     path: str = "tiny"  # 'tiny' (built by the workbench), a local Hugging Face directory, or a hub id
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -66,7 +72,7 @@ class DataConfig:
 class ServerConfig:
     # managed (the workbench starts vLLM) | attach (someone else's, at url) | colocate (a vLLM engine inside the
     # trainer process, TRL's colocate mode; `workbench train` and `bench` only) | off (TRL's in-process generate)
-    mode: str = "managed"
+    mode: Literal["managed", "attach", "colocate", "off"] = "managed"
     url: str | None = None  # for attach, e.g. http://10.0.0.5:8001
     host: str = "127.0.0.1"  # loopback unless you mean it: weight-update endpoints are open on this address
     port: int = 8000
@@ -82,7 +88,7 @@ class ServerConfig:
     kv_cache_space_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
     api_key_env: str | None = None  # name of the environment variable holding the API key, never the key
     startup_timeout_s: float = 300.0
-    weight_sync: str = "auto"  # auto | nccl | hccl | reload | none
+    weight_sync: Literal["auto", "nccl", "hccl", "reload", "none"] = "auto"
     sync_dir: str | None = None  # reload adapter's directory (only the workbench's files in it); default /dev/shm
     allow_remote_weight_updates: bool = False  # a non-loopback host that takes weight pushes: opt in, with a key
     max_restarts: int = 2  # a server that dies or hangs during training is restarted this often, then the run stops
@@ -90,18 +96,54 @@ class ServerConfig:
     extra_args: list[str] = field(default_factory=list)  # more vLLM flags, passed as they are
     env: dict[str, str] = field(default_factory=dict)  # more environment variables for the server only
 
+    # The questions code asks about the mode, by name.
+    @property
+    def managed(self) -> bool:
+        """The workbench starts (and stops) the server."""
+        return self.mode == "managed"
+
+    @property
+    def attached(self) -> bool:
+        """Someone else's server, at server.url."""
+        return self.mode == "attach"
+
+    @property
+    def colocated(self) -> bool:
+        """TRL's vLLM engine inside the trainer process."""
+        return self.mode == "colocate"
+
+    @property
+    def over_http(self) -> bool:
+        """Rollouts come from a server process over HTTP (managed or attached)."""
+        return self.mode in ("managed", "attach")
+
+    @property
+    def in_process(self) -> bool:
+        """No server process: TRL's in-process generate (off) or its in-process engine (colocate)."""
+        return self.mode in ("off", "colocate")
+
+    @property
+    def uses_vllm(self) -> bool:
+        """vLLM generates the rollouts (every mode but off)."""
+        return self.mode != "off"
+
 
 @dataclass
 class RolloutConfig:
     # sync: ask the server for a batch, wait, train on it (TRL's loop as shipped).
     # async: while a step trains, the server already generates the next step's batch with the weights pushed at
     # that step's start: one step stale, corrected by TRL's importance sampling (trainer.vllm_importance_sampling_*)
-    mode: str = "sync"
+    mode: Literal["sync", "async"] = "sync"
+
+    @property
+    def overlapped(self) -> bool:
+        """async: the next step's rollouts are generated while this step trains."""
+        return self.mode == "async"
 
 
 @dataclass
 class DevicesConfig:
-    platform: str = "auto"  # auto | cpu | cuda | npu
+    platform: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     server: list[int] = field(default_factory=lambda: [0])  # device ids (CPU: cores) that serve
     trainer: list[int] = field(default_factory=lambda: [1])  # device ids (CPU: cores) that train
     env: dict[str, str] = field(default_factory=dict)  # for every process (HCCL timeouts, log levels)
@@ -115,9 +157,9 @@ class DistributedConfig:
     node_rank: int = 0  # this machine's index among them (0 = the main node)
     main_address: str = "127.0.0.1"  # the main node's address as the other nodes reach it
     main_port: int = 29500  # the trainers' rendezvous port on the main node
-    strategy: str = "ddp"  # ddp | deepspeed | fsdp
-    zero_stage: int = 2  # deepspeed only: 1, 2 or 3 (3 shards the weights too)
-    mixed_precision: str = "auto"  # auto (bf16 when trainer.bf16 on an accelerator, else no) | no | bf16 | fp16
+    strategy: Literal["ddp", "deepspeed", "fsdp"] = "ddp"
+    zero_stage: Literal[1, 2, 3] = 2  # deepspeed only (3 shards the weights too)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 when trainer.bf16 on an accelerator
     device_memory_gib: float | None = None  # per card, for `workbench plan` (None: 64 on a 910B, 80 on CUDA)
 
 
@@ -136,13 +178,21 @@ class MonitorConfig:
     canary_stop_gap: float | None = None  # None: 0.02 in float32, 0.5 in 16-bit; above it the run stops
 
 
+# The base-vs-trained analysis's per-problem table (workbench/evaluation/analysis.py builds it with these columns,
+# the dataset's breakdown fields inserted before response_length): a dataset field named like one of them cannot be
+# an eval.breakdown, which the recipe check refuses at load, before any work.
+ANALYSIS_OUTCOMES = ("fixed", "broken", "both_right", "both_wrong")
+ANALYSIS_COLUMNS = ("id", "base", "trained", *ANALYSIS_OUTCOMES, "outcome", "base_tokens", "trained_tokens",
+                    "trained_truncated", "response_length", "prompt", "gold", "base_response", "trained_response")
+
+
 @dataclass
 class EvalConfig:
     split: str = "heldout"
     num_samples: int = 300
     repeats: int = 1
     concurrency: int = 8
-    endpoint: str = "chat"  # chat | completions
+    endpoint: Literal["chat", "completions"] = "chat"
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 1234
@@ -178,6 +228,4 @@ class Recipe:
 
     @property
     def max_completion_length(self) -> int:
-        from workbench.recipe.trl_fields import default
-
         return int(self.trainer.get("max_completion_length", default("max_completion_length")))

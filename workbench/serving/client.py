@@ -63,7 +63,7 @@ def verify(rr: Resolved, url: str | None = None) -> dict:
             f"the server's max_model_len is {entry['max_model_len']}, below max prompt ({recipe.data.max_prompt_length})"
             f" + completion ({recipe.max_completion_length}) = {needed} tokens",
             f"restart it with --max-model-len {needed} or more (server.max_model_len), or shorten the lengths")
-    if recipe.server.mode == "managed" and entry["max_model_len"] != recipe.server.max_model_len:
+    if recipe.server.managed and entry["max_model_len"] != recipe.server.max_model_len:
         raise WorkbenchError(f"the server reports max_model_len {entry['max_model_len']}, the recipe asked for "
                              f"{recipe.server.max_model_len}", "check server.extra_args for a conflicting flag")
     return entry

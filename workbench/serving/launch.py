@@ -32,7 +32,9 @@ import socket
 import sys
 
 from workbench.errors import WorkbenchError
+from workbench.platform import compat
 from workbench.recipe import Resolved
+from workbench.secrets import REDACTED
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
@@ -72,7 +74,6 @@ def command(rr: Resolved, model_path: str) -> list[str]:
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     elif rr.weight_sync == "hccl":
         # vllm-ascend maps its HCCL engine onto the "nccl" name; the name is the matrix's (compat.yaml)
-        from workbench.platform import compat
 
         cmd += ["--weight-transfer-config", json.dumps({"backend": compat.hccl_backend_name()})]
     return cmd + list(s.extra_args)
@@ -81,8 +82,6 @@ def command(rr: Resolved, model_path: str) -> list[str]:
 def environment(rr: Resolved, for_training: bool = False) -> dict[str, str]:
     """Environment for the server process: this one's, plus the server role's variables and the API key; with
     `for_training`, vLLM's development endpoints too (VLLM_SERVER_DEV_MODE=1, see the module docstring)."""
-    from workbench.secrets import REDACTED
-
     env = dict(os.environ)
     # Importing TRL sets VLLM_LOGGING_LEVEL=ERROR in this process unless it is set (trl/_compat.py, to quiet its own
     # vLLM): inherited, the server would log no INFO or WARNING line at all (start-up, engine, memory warnings).

@@ -21,9 +21,11 @@ from pathlib import Path
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
 from workbench.rundir import StageDir, write_atomic
-from workbench.serving import launch
+from workbench.serving import launch, vllm_cpu
 from workbench.tasks import rewards
+from workbench.tasks.dataset import eval_rows
 from workbench.tasks.grading import grade
+from workbench.tinymodel import ensure_model
 
 
 @dataclass
@@ -83,7 +85,7 @@ def prepare_engine_environment(rr: Resolved, cores: list[int] | None = None) -> 
     the CPU, bind the engine's threads to these instead of the server role's."""
     os.environ.update(launch.environment(rr))
     if rr.platform == "cpu":
-        import workbench.serving.vllm_cpu  # noqa: F401  (answers vLLM's version lookup for the vllm-cpu build)
+        vllm_cpu.answer_version_lookup()  # vLLM asks for its own version: the vllm-cpu build's, in this process
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if cores:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
@@ -114,8 +116,6 @@ def keep_live_weights() -> None:
 
 def engine(rr: Resolved, model_path: str | None = None, log=print):
     """vLLM's `LLM` in this process with the served engine's settings: (llm, seconds it took to start)."""
-    from workbench.tasks.tinymodel import ensure_model
-
     recipe, platform = rr.recipe, rr.platform
     model_path = model_path or ensure_model(rr, log=log)
     prepare_engine_environment(rr)
@@ -137,9 +137,6 @@ def engine(rr: Resolved, model_path: str | None = None, log=print):
 
 def generate(rr: Resolved, model_path: str | None = None, num_prompts: int = 8, max_tokens: int | None = None,
              temperature: float = 0.0, log=print) -> OfflineResult:
-    from workbench.tasks.dataset import eval_rows
-    from workbench.tasks.tinymodel import ensure_model
-
     recipe = rr.recipe
     model_path = model_path or ensure_model(rr, log=log)
     rows = eval_rows(recipe)[:num_prompts]

@@ -46,7 +46,7 @@ import requests
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
-from workbench.rundir import server_log, write_atomic
+from workbench.rundir import kept_server_log, loose_server_logs, server_log, server_restart_files, write_atomic
 from workbench.serving import client, launch, shm
 
 _LIVE: set["VLLMServer"] = set()
@@ -192,10 +192,10 @@ class VLLMServer:
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self, restarting: bool = False) -> "VLLMServer":
-        if self.recipe.server.mode == "attach":
+        if self.recipe.server.attached:
             self.model_entry = client.verify(self.rr)
             return self
-        if self.recipe.server.mode != "managed":
+        if not self.recipe.server.managed:
             raise WorkbenchError(f"server.mode is {self.recipe.server.mode!r}: there is no server to start "
                                  "(only `workbench train` and `workbench bench` generate without one)",
                                  "set server.mode to managed or attach")
@@ -216,7 +216,7 @@ class VLLMServer:
             # a restart runs inside the training, pinned to the trainer's cores: the first start checked them
             if not restarting:
                 launch.check_cpu_cores(self.rr)
-        log_dir = self.log_dir or Path(self.recipe.monitor.runs_dir) / "servers"
+        log_dir = self.log_dir or loose_server_logs(self.recipe.monitor.runs_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = server_log(log_dir, s.port, self.name)
         cmd = launch.command(self.rr, self.model_path)
@@ -291,7 +291,7 @@ class VLLMServer:
         listening on server.url's port): what the device sampler watches."""
         if self.adopted is not None:
             return self.adopted.get("pid")
-        if self.process is None and self.recipe.server.mode == "attach" and self.model_entry is not None:
+        if self.process is None and self.recipe.server.attached and self.model_entry is not None:
             from urllib.parse import urlsplit
 
             where = urlsplit(self.url)
@@ -305,7 +305,7 @@ class VLLMServer:
         An adopted server is restarted by its owner, on request."""
         if self.adopted is not None:
             requests_dir = Path(self.adopted["requests"])
-            answer = ask_restart(requests_dir / "restart.request", requests_dir / "restart.answer",
+            answer = ask_restart(*server_restart_files(requests_dir),
                                  self.recipe.server.startup_timeout_s + 60, "`workbench run`")
             self.adopted["pid"] = answer.get("pid")
             self.restarts += 1
@@ -314,7 +314,7 @@ class VLLMServer:
         self.stop(timeout=10)
         self.restarts += 1
         if self.log_path and self.log_path.exists():
-            self.log_path.rename(self.log_path.with_name(f"{self.log_path.stem}.before-restart-{self.restarts}.log"))
+            self.log_path.rename(kept_server_log(self.log_path, self.restarts))
         self.start(restarting=True)
         return self.startup_seconds
 
@@ -467,7 +467,7 @@ def answer_restart(request: Path, answer: Path, restart, pid=lambda: None) -> bo
 
 def serve_shared_requests(server: "VLLMServer", directory: Path) -> bool:
     """In the shared server's owner (`workbench run`): answer a stage's pending restart request."""
-    return answer_restart(directory / "restart.request", directory / "restart.answer", server.restart,
+    return answer_restart(*server_restart_files(directory), server.restart,
                           lambda: server.pid)
 
 

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-
 from trl.generation.vllm_client import VLLMClient
 
 from workbench.errors import WorkbenchError

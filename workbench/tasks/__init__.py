@@ -1,1 +1,3 @@
-"""What is learned and how it is scored: datasets, reward functions, grading, the arithmetic task, the tiny model."""
+"""What is learned and how it is scored, below the recipe: datasets (dataset.py), the arithmetic task
+(arithmetic.py), reward functions (rewards.py) and their recipe specs (rewardspec.py), grading (grading.py). Only
+workbench.errors is imported here."""

@@ -27,6 +27,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from workbench.errors import WorkbenchError
+
 PHRASINGS = (
     "What is {a} {op} {b}?",
     "Tom has {a} apples and {verb} {b}. How many apples does he have now?",
@@ -107,8 +109,6 @@ SPLITS = ("train", "validation", "heldout")
 def splits(seed: int = 0, heldout_size: int = 300, validation_size: int = 300) -> dict[str, list[Problem]]:
     """The problems of each split (SPLITS); disjoint by construction, identical for the same arguments. A held-out
     split of the same seed and size is the same whatever the validation size."""
-    from workbench.errors import WorkbenchError
-
     triples = all_triples()
     if not 0 < heldout_size < len(triples):
         raise WorkbenchError(f"heldout_size={heldout_size} is outside 1..{len(triples) - 1}",
@@ -127,8 +127,6 @@ def splits(seed: int = 0, heldout_size: int = 300, validation_size: int = 300) -
 def rows(split: str, seed: int = 0, heldout_size: int = 300, limit: int | None = None,
          validation_size: int = 300) -> list[dict]:
     """Rows of one split (SPLITS), in the split's seeded order."""
-    from workbench.errors import WorkbenchError
-
     if split not in SPLITS:
         raise WorkbenchError(f"unknown arithmetic split {split!r}", f"use one of: {', '.join(SPLITS)}")
     chosen = splits(seed, heldout_size, validation_size)[split]

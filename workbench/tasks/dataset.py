@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workbench.errors import WorkbenchError
+from workbench.tasks import arithmetic
 
 if TYPE_CHECKING:
     import datasets
@@ -217,8 +218,6 @@ def _carve_validation(name: str, split: str, spec: dict, records: list, size: in
 
 def _arithmetic(split: str, path: str | None, limit: int | None, seed: int, heldout_size: int, validation_size: int,
                 system_prompt: str | None, instruction: str | None) -> list[dict]:
-    from workbench.tasks import arithmetic
-
     if path is not None:
         # Silently ignoring the path would train on something other than what the recipe says.
         raise WorkbenchError("dataset 'arithmetic' is generated and reads no file",

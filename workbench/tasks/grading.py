@@ -14,7 +14,6 @@ from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeou
 from workbench.tasks import rewards
 
 
-
 def _match_in_child(gold: str, predicted: str) -> bool | None:
     return rewards.answers_match(gold, predicted)
 

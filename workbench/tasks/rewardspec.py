@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from workbench.errors import WorkbenchError
+from workbench.tasks import rewards
 
 SPEC_KEYS = ("function", "weight", "args")
 
@@ -53,8 +54,6 @@ class RewardSpec:
     def resolve(self) -> Callable:
         """The function itself (imported for module:function), unbound."""
         if not self.external:
-            from workbench.tasks import rewards
-
             try:
                 return rewards.get(self.function)
             except WorkbenchError as exc:

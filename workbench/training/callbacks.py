@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from workbench.observe.records import append_jsonl, normalise
+from workbench.records import append_jsonl, normalise
 from workbench.rundir import TrainDir
 
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workbench.errors import WorkbenchError
-from workbench.observe.records import append_event, append_jsonl
 from workbench.recipe import Resolved
+from workbench.records import append_event, append_jsonl
 from workbench.rundir import TrainDir
+from workbench.tasks import dataset
 
 # (warn, stop) in nats per token when the recipe leaves them unset: float32 agrees to rounding; 16-bit kernels of the
 # server and the trainer differ by a few hundredths even when the weights are identical.
@@ -53,8 +54,6 @@ def thresholds(rr: Resolved) -> tuple[float, float]:
 
 def probe_sequences(rr: Resolved, tokenizer, count: int = PROBES) -> list[list[int]]:
     """Token ids of the probe set: chat-templated prompt + the gold answer as the tasks format it."""
-    from workbench.tasks import dataset
-
     rows = dataset.recipe_rows(rr.recipe, limit=count)
     out = []
     for row in rows:

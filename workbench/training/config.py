@@ -15,6 +15,9 @@ from typing import Any
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
+from workbench.recipe.load import RecipeProblems
+from workbench.serving import launch
+from workbench.tasks import dataset, rewardspec
 
 
 @contextlib.contextmanager
@@ -38,8 +41,6 @@ def _as_if_on(platform: str):
 
 def trainer_arguments(rr: Resolved, output_dir: str) -> dict[str, Any]:
     """The keyword arguments for trl.GRPOConfig: the trainer section plus what other sections imply."""
-    from workbench.tasks import rewardspec
-
     recipe, platform = rr.recipe, rr.platform
     args = dict(recipe.trainer)
     args["output_dir"] = output_dir
@@ -49,8 +50,8 @@ def trainer_arguments(rr: Resolved, output_dir: str) -> dict[str, Any]:
         args["use_cpu"] = True
         args["bf16"] = False
     server = recipe.server
-    args["use_vllm"] = server.mode != "off"
-    if server.mode == "colocate":  # TRL's in-process engine, sized by the server section's knobs
+    args["use_vllm"] = server.uses_vllm
+    if server.colocated:  # TRL's in-process engine, sized by the server section's knobs
         args["vllm_mode"] = "colocate"
         args["vllm_max_model_length"] = server.max_model_len
         args["vllm_gpu_memory_utilization"] = server.gpu_memory_utilization
@@ -79,9 +80,6 @@ def preflight(rr: Resolved) -> None:
     """Everything about the training that can be checked before a model is built or a server starts: the real
     GRPOConfig, TRL's batch divisibility rules for the run's real number of trainer processes (the config built
     here sees one), the training rows and the reward functions. Every problem at once, as one error."""
-    from workbench.recipe.load import RecipeProblems
-    from workbench.tasks import dataset, rewardspec
-
     problems: list[WorkbenchError] = []
     args = None
     try:
@@ -120,17 +118,16 @@ def preflight(rr: Resolved) -> None:
                 problems.append(exc)
     sync_dir = rr.recipe.server.sync_dir
     if rr.weight_sync == "reload" and sync_dir and Path(sync_dir).is_dir():
-        from workbench.serving.sync import ReloadSync
+        from workbench.serving.sync import ReloadSync  # lazy: torch
 
         try:
             ReloadSync(sync_dir).check_given(Path(sync_dir))
         except WorkbenchError as exc:
             problems.append(exc)
-    if rr.recipe.server.mode == "managed" and rr.recipe.distributed.node_rank == 0:
+    if rr.recipe.server.managed and rr.recipe.distributed.node_rank == 0:
         # the server's own checks, made again when it starts: here they cost nothing yet
-        from workbench.serving import launch
 
-        from workbench.serving.server import shared_server
+        from workbench.serving.server import shared_server  # lazy: requests
 
         server = rr.recipe.server
         # a server `workbench run` shares with this stage holds the port: that one is this run's own

@@ -31,7 +31,7 @@ class GroupRecorder:
     """Writes one parquet file per training step into `train_dir.groups`."""
 
     def __init__(self, train_dir: TrainDir, groups_per_step: int, seed: int = 0):
-        self.dir = train_dir.groups
+        self.train_dir, self.dir = train_dir, train_dir.groups
         self.groups_per_step = groups_per_step
         self.seed = seed
 
@@ -77,4 +77,4 @@ class GroupRecorder:
         self.dir.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
         pd.DataFrame(rows).to_parquet(buffer, index=False)
-        write_atomic(self.dir / f"step_{step:06d}.parquet", buffer.getvalue())
+        write_atomic(self.train_dir.group_file(step), buffer.getvalue())

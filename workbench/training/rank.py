@@ -14,13 +14,12 @@ import sys
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
+from workbench.rundir import TrainDir
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbench import recipe
-    from workbench.rundir import TrainDir
-    from workbench.tasks import tinymodel
-    from workbench.training.train import run_trainer
+    from workbench import recipe, tinymodel  # lazy: yaml
+    from workbench.training.train import run_trainer  # lazy: prometheus_client
 
     parser = argparse.ArgumentParser(prog="python -m workbench.training.rank")
     parser.add_argument("--train-dir", required=True)
@@ -33,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         server_pid = int(os.environ["WORKBENCH_SERVER_PID"]) if os.environ.get("WORKBENCH_SERVER_PID") else None
         # the server belongs to `workbench train` on node 0 (when it manages one): the main rank asks it for restarts
         restart = None
-        if rr.recipe.server.mode == "managed" and rr.recipe.distributed.node_rank == 0:
-            from workbench.training.recovery import RestartRequest
+        if rr.recipe.server.managed and rr.recipe.distributed.node_rank == 0:
+            from workbench.training.recovery import RestartRequest  # lazy: requests
 
             restart = RestartRequest(train_dir, timeout=rr.recipe.server.startup_timeout_s + 60)
         run_trainer(rr, train_dir, model_path, server_pid=server_pid, server_url=rr.server_url, restart=restart,

@@ -26,8 +26,8 @@ from typing import Callable
 import requests
 
 from workbench.errors import WorkbenchError
-from workbench.observe.records import append_event
 from workbench.recipe import Resolved
+from workbench.records import append_event
 from workbench.rundir import TrainDir
 from workbench.serving.server import answer_restart, ask_restart
 

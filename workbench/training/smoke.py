@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
-from workbench.observe import scraper
-from workbench.observe.records import read_jsonl
-from workbench.rundir import TrainDir, write_atomic
+from workbench.records import read_jsonl
+from workbench.rundir import TrainDir, weights, write_atomic
+from workbench.serving import scraper
 
 
 @dataclass
@@ -37,7 +37,7 @@ class SmokeFailed(WorkbenchError):
 def _max_weight_change(base: Path, trained: Path) -> float:
     from safetensors.torch import load_file
 
-    a, b = load_file(str(base / "model.safetensors")), load_file(str(trained / "model.safetensors"))
+    a, b = load_file(str(weights(base))), load_file(str(weights(trained)))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a if k in b)
 
 
@@ -74,7 +74,7 @@ class SmokeChecks:
 
 def variant(recipe, overrides: dict):
     """The smoke variant of a recipe: the same model, server, data and rewards, with the smoke overrides."""
-    from workbench.recipe import load
+    from workbench.recipe import load  # lazy: yaml
 
     return load(recipe, overrides)
 
@@ -142,7 +142,7 @@ def verify(train_dir: TrainDir, base_model: str | Path) -> SmokeChecks:
                          f"{pushes} pushes" if canary else
                          "no canary check recorded (monitor.canary_every is 0, or server.weight_sync is none)")))
     final = train_dir.final
-    if (final / "model.safetensors").exists() and (Path(base_model) / "model.safetensors").exists():
+    if weights(final).exists() and weights(base_model).exists():
         change = _max_weight_change(Path(base_model), final)
         detail = f"largest parameter change {change:.3g}"
         if change == 0 and rows and all(r.get("frac_reward_zero_std") == 1.0 for r in rows):

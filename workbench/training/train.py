@@ -26,14 +26,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from workbench import tinymodel
 from workbench.errors import WorkbenchError
-from workbench.observe.monitor import Monitor
 from workbench.recipe import Resolved
-from workbench.rundir import TrainDir, write_atomic
+from workbench.recipe.resolve import VISIBLE_DEVICES
+from workbench.records import append_event, read_jsonl, truncate_after
+from workbench.rundir import TrainDir, recipe_text, write_atomic
 from workbench.serving import sync
-from workbench.serving.server import VLLMServer
-from workbench.tasks import tinymodel
-from workbench.training.recovery import serve_restart_requests
+from workbench.serving.offline import keep_live_weights, prepare_engine_environment
+from workbench.serving.server import VLLMServer, child_setup, popen
+from workbench.training import launch
+from workbench.training.canary import CanaryAlarm
+from workbench.training.config import preflight
+from workbench.training.monitor import Monitor
+from workbench.training.recovery import Recovery, ServerLost, serve_restart_requests
 
 
 @dataclass
@@ -74,7 +80,7 @@ def _pinned_to_trainer_cores(rr: Resolved, local_rank: int | None = None):
     import torch
 
     cores = list(rr.trainer.devices)
-    if rr.recipe.server.mode in ("off", "colocate"):  # no server process: the trainer gets the server's cores too
+    if rr.recipe.server.in_process:  # no server process: the trainer gets the server's cores too
         cores = sorted(set(cores) | set(rr.server.devices))
     if local_rank is not None and rr.trainer_processes > 1:
         cores = [cores[local_rank % len(cores)]]
@@ -90,8 +96,6 @@ def _pinned_to_trainer_cores(rr: Resolved, local_rank: int | None = None):
 
 def _rank_record(rr: Resolved, accelerator) -> dict:
     """What one rank really got: its process, device, visible devices and the recipe's environment variables."""
-    from workbench.recipe.resolve import VISIBLE_DEVICES
-
     names = sorted(set(rr.recipe.devices.env) | {VISIBLE_DEVICES.get(rr.platform, "")} - {""})
     return {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index,
             "pid": os.getpid(), "device": str(accelerator.device), "cores": sorted(os.sched_getaffinity(0)),
@@ -106,10 +110,8 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
 
     `restart` brings a dead server back (VLLMServer.restart here, a RestartRequest in a rank; None: a server fault
     ends the run); `resume_from` is the checkpoint a resumed training continues from (see prepare_resume)."""
-    from workbench.training.callbacks import JsonlMetrics, StopFlag
-    from workbench.training.canary import CanaryAlarm
-    from workbench.training.recovery import Recovery, ServerLost
-    from workbench.training.trainer import build_trainer
+    from workbench.training.callbacks import JsonlMetrics, StopFlag  # lazy: transformers
+    from workbench.training.trainer import build_trainer  # lazy: accelerate
 
     several = rr.trainer_processes > 1 or rr.recipe.distributed.nodes > 1
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if several else None
@@ -118,9 +120,7 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
     trainer = None
     try:
         with _pinned_to_trainer_cores(rr, local_rank):
-            if rr.recipe.server.mode == "colocate":  # TRL builds a vLLM engine in this process, on its cores
-                from workbench.serving.offline import keep_live_weights, prepare_engine_environment
-
+            if rr.recipe.server.colocated:  # TRL builds a vLLM engine in this process, on its cores
                 prepare_engine_environment(rr, cores=sorted(os.sched_getaffinity(0)))
                 if rr.platform == "cpu":
                     keep_live_weights()
@@ -140,7 +140,7 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
             # started inside the pinned block: the sampler thread shares the trainer's cores, so its cost shows in the
             # step time it is measured against; one sampler per run (main rank). Under accelerate the ranks are
             # children of its launcher: that process tree is the trainer role.
-            served = rr.recipe.server.mode in ("managed", "attach")
+            served = rr.recipe.server.over_http
             sampler = Monitor(rr, train_dir, server_pid=server_pid,
                               server_url=(server_url or rr.server_url) if served else None,
                               trainer_pid=os.getppid() if several else os.getpid(), enabled=main)
@@ -176,8 +176,6 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
 def _stopped_with_checkpoint(trainer, train_dir: TrainDir, exc, several: bool, log) -> Exception:
     """A run that cannot go on (server lost, canary alarm): keep a resumable checkpoint of the trainer's state
     when this process holds all of it, and say where to resume from."""
-    from workbench.observe.records import append_event
-
     step = trainer.state.global_step
     if several:  # the other ranks are blocked in a collective: only their last periodic checkpoint counts
         where = _last_checkpoint(train_dir)
@@ -195,8 +193,6 @@ def _stopped_with_checkpoint(trainer, train_dir: TrainDir, exc, several: bool, l
 
 def _restarts_recorded(train_dir: TrainDir) -> int:
     """The server restarts of this training, the part before a resume included (one server_restart event each)."""
-    from workbench.observe.records import read_jsonl
-
     return sum(1 for e in read_jsonl(train_dir.events, normalised=False) if e.get("kind") == "server_restart")
 
 
@@ -205,20 +201,15 @@ def _checkpoint_step(path: Path) -> int:
 
 
 def _last_checkpoint(train_dir: TrainDir) -> Path | None:
-    """The newest complete checkpoint (its trainer_state.json written: HF writes it last)."""
-    if not train_dir.checkpoints.is_dir():
-        return None
-    done = [p for p in train_dir.checkpoints.glob("checkpoint-*")
-            if p.name.rsplit("-", 1)[1].isdigit() and (p / "trainer_state.json").exists()]
-    return max(done, key=_checkpoint_step, default=None)
+    """The newest complete checkpoint."""
+    done = train_dir.complete_checkpoints()
+    return done[max(done)] if done else None
 
 
 def prepare_resume(rr: Resolved, train_dir: TrainDir, log=print) -> Path:
     """Make a killed or stopped training continue from its newest checkpoint: what it recorded after that
     checkpoint is dropped (metrics, canary, completions; it is trained and logged again), the stop flag is cleared,
     the interruption is an event. Returns the checkpoint directory."""
-    from workbench.observe.records import append_event, read_jsonl, truncate_after
-
     if not train_dir.path.is_dir():
         raise WorkbenchError(f"{train_dir.path} does not exist", "resume a run directory that trained (runs/<id>)")
     checkpoint = _last_checkpoint(train_dir)
@@ -234,9 +225,8 @@ def prepare_resume(rr: Resolved, train_dir: TrainDir, log=print) -> Path:
     logged = [r.get("step", 0) for r in read_jsonl(train_dir.metrics, normalised=False)]
     reached = max(logged, default=0)
     dropped = {path.name: truncate_after(path, step) for path in (train_dir.metrics, train_dir.canary)}
-    for parquet in train_dir.completions.glob("completions_*.parquet"):
-        digits = "".join(c for c in parquet.stem if c.isdigit())
-        if digits and int(digits) > step:
+    for logged_at, parquet in train_dir.completion_logs().items():
+        if logged_at > step:
             parquet.unlink()
     train_dir.stop_flag.unlink(missing_ok=True)
     train_dir.summary.unlink(missing_ok=True)
@@ -250,14 +240,10 @@ def prepare_resume(rr: Resolved, train_dir: TrainDir, log=print) -> Path:
 def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, server=None,
                resume_from: Path | None = None) -> None:
     """`accelerate launch` of this node's ranks against the running server; waits, and fails with the log tail."""
-    from workbench.serving.server import child_setup, popen
-    from workbench.training import launch
-
     # every rank reads the recipe from disk: it must be this one
-    from workbench.rundir import recipe_text
 
     if not train_dir.recipe.exists():
-        write_atomic(train_dir.path / "recipe.yaml", recipe_text(rr.recipe))
+        write_atomic(train_dir.own_recipe, recipe_text(rr.recipe))
     elif train_dir.recipe.read_text() not in (recipe_text(rr.recipe), rr.recipe.to_yaml()):
         raise WorkbenchError(f"{train_dir.recipe} is not the recipe being trained",
                              "train into a new run directory, or train the recipe that run was made with")
@@ -289,7 +275,7 @@ def check_device_split(rr: Resolved) -> None:
     """The server this command starts and the trainer ranks share one node: on an accelerator their cards must
     differ (upstream puts the trainer on the card after the server's TP group, never on one of them)."""
     overlap = set(rr.server.devices) & set(rr.trainer.devices)
-    if rr.platform != "cpu" and rr.recipe.server.mode == "managed" and rr.recipe.distributed.node_rank == 0 and overlap:
+    if rr.platform != "cpu" and rr.recipe.server.managed and rr.recipe.distributed.node_rank == 0 and overlap:
         raise WorkbenchError(f"devices {sorted(overlap)} are given to both server and trainer on this node",
                              "give devices.server and devices.trainer disjoint device ids")
 
@@ -301,7 +287,6 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False) ->
     recipe = rr.recipe
     several = rr.trainer_processes > 1 or recipe.distributed.nodes > 1
     check_device_split(rr)
-    from workbench.training.config import preflight
 
     preflight(rr)  # the whole GRPOConfig, batch rules, data and rewards: before any model build or server start
     model_path = tinymodel.ensure_model(rr, log=log)
@@ -313,7 +298,7 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False) ->
         _run_ranks(rr, train_dir, None, log, resume_from=resume_from)
         log(f"node {recipe.distributed.node_rank}: ranks done (metrics and the model are written on node 0)")
         return None
-    if recipe.server.mode in ("off", "colocate"):  # no server: TRL's in-process generate, or its in-process engine
+    if recipe.server.in_process:  # no server: TRL's in-process generate, or its in-process engine
         if several:
             _run_ranks(rr, train_dir, None, log, resume_from=resume_from)
             summary = TrainSummary.load(train_dir)
@@ -322,7 +307,7 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False) ->
         log(f"done: {summary.steps} steps in {summary.train_seconds:.0f}s (generation: {recipe.server.mode}); "
             f"final model {train_dir.final}")
         return summary
-    managed = recipe.server.mode == "managed"
+    managed = recipe.server.managed
     with VLLMServer(rr, model_path, train_dir.path, for_training=True) as srv:
         log(f"server: {srv.url} serving {recipe.server.served_model_name!r}"
             + (f", started in {srv.startup_seconds:.0f}s" if srv.startup_seconds else " (attached)"))

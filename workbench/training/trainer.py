@@ -27,13 +27,13 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from workbench.recipe import Resolved
 from workbench.rundir import TrainDir
-from workbench.serving import sync
+from workbench.serving import client, sync
+from workbench.tasks import dataset, rewards, rewardspec
 from workbench.training.canary import Canary
+from workbench.training.config import grpo_config
 from workbench.training.groups import GroupRecorder
 from workbench.training.overlap import Ahead
 from workbench.training.recovery import Recovery
-from workbench.tasks import dataset, rewards, rewardspec
-from workbench.training.config import grpo_config
 
 
 class _SyncingVLLMGeneration(VLLMGeneration):
@@ -305,8 +305,6 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workbench.serving import client
-
     recipe = rr.recipe
     args = grpo_config(rr, str(output_dir))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -320,6 +318,6 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
         reward_funcs=[rewards.guarded(spec) for spec in rewardspec.specs(recipe.rewards)],
         weight_sync=weight_sync, headers=rr.headers, request_timeout=recipe.server.request_timeout_s,
         canary=canary, recovery=recovery, server_logprobs=lambda ids: client.sequence_logprobs(rr, ids),
-        overlap=recipe.rollout.mode == "async",
+        overlap=recipe.rollout.overlapped,
         groups=(GroupRecorder(train_dir, recipe.monitor.groups_per_step, seed=recipe.data.seed)
                 if train_dir is not None and recipe.monitor.groups_per_step > 0 else None))

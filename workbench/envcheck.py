@@ -3,7 +3,7 @@
     workbench env --recipe cpu-tiny            # table on stdout, env.json in a new run directory
     workbench env --recipe ascend-910b-8card --no-collective
 
-    from workbench.platform import envcheck
+    from workbench import envcheck
     report = envcheck.check(rr)                   # rr: the resolved recipe; an HTML table in a notebook
     report.ok; report.save(run)                   # no check failed; env.json in the run directory
 
@@ -28,9 +28,12 @@ from typing import Callable
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from workbench.errors import WorkbenchError
 from workbench.platform import compat, npusmi
 from workbench.recipe import Recipe, Resolved
+from workbench.recipe.resolve import weight_sync
 from workbench.rundir import write_atomic
+from workbench.secrets import scrub_data
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 ASCEND_ROOT = "/usr/local/Ascend"
@@ -106,8 +109,6 @@ class Report:
 
     def save(self, run) -> Path:
         """Into a run directory (its env.json), without secret values (a check's finding may quote a variable)."""
-        from workbench.secrets import scrub_data
-
         return write_atomic(run.env_check, json.dumps(scrub_data(self.to_json()), indent=2))
 
 
@@ -326,7 +327,7 @@ def check_role_environment(report: Report, rr: Resolved, environ: dict) -> None:
         report.add("ascend", name, WARN if short else PASS, "; ".join(found),
                    f"set devices.env.{name}={want} (reaches the server and every trainer rank): long RL runs time out "
                    "at the default (EI0006)" if short else "")
-    if rr.recipe.distributed.nodes > 1 or rr.recipe.server.mode == "attach":
+    if rr.recipe.distributed.nodes > 1 or rr.recipe.server.attached:
         for name in ("HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
             unset = [role for role, values in roles.items() if not values[name]]
             report.add("ascend", name, WARN if unset else PASS,
@@ -342,9 +343,6 @@ def check_role_environment(report: Report, rr: Resolved, environ: dict) -> None:
 
 def check_adapters(report: Report, rr: Resolved, versions: dict) -> None:
     """Which weight-sync adapters the installed row can use, and what the recipe's choice resolves to on it."""
-    from workbench.errors import WorkbenchError
-    from workbench.recipe.resolve import weight_sync
-
     platform = rr.platform
     candidates = {"npu": ("hccl", "reload", "none"), "cuda": ("nccl", "reload", "none")}.get(platform,
                                                                                            ("reload", "none"))

@@ -30,9 +30,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from workbench import tinymodel
 from workbench.errors import WorkbenchError
+from workbench.platform.compat import dist_version
 from workbench.recipe import Resolved, load, resolve
+from workbench.records import read_jsonl
 from workbench.rundir import RunDir, StageDir, TrainDir, write_atomic
+from workbench.tasks import dataset
+from workbench.training.config import preflight
 
 SERVED = ("server", "async")  # the paths that share one managed server (and its saturation sweep)
 PATHS = {  # name -> what the recipe says for it
@@ -128,9 +133,7 @@ class Bench:
 
     def figure(self, path: Path) -> Path:
         """Stacked step-time breakdown per path, one panel per size."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from workbench.plots import plt, save_png  # lazy: matplotlib
 
         sizes = list(dict.fromkeys(r.size for r in self.results))
         fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 3.6), squeeze=False)
@@ -150,16 +153,12 @@ class Bench:
         handles, names = axes[0][0].get_legend_handles_labels()
         fig.legend(handles, names, fontsize=8, loc="lower center", ncol=len(names), frameon=False)
         fig.tight_layout(rect=(0, 0.08, 1, 1))
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
+        return save_png(fig, path, dpi=110)
 
 
 def machine(rr: Resolved) -> dict:
     """Cores, memory, accelerator and the versions the numbers were measured with."""
     import psutil
-
-    from workbench.platform.compat import dist_version
 
     cores = len(os.sched_getaffinity(0))
     memory = psutil.virtual_memory().total / 2**30
@@ -182,8 +181,6 @@ def _median(values: list[float]) -> float:
 
 def summarise(size: str, path: str, train_dir: TrainDir, warmup: int) -> PathResult:
     """Medians over the logged steps after the warm-up (metrics.jsonl, one line per step)."""
-    from workbench.observe.records import read_jsonl
-
     lines = [m for m in read_jsonl(train_dir.metrics, normalised=False) if "time/step" in m]
     measured = [m for m in lines if m.get("step", 0) > warmup] or lines
     if not measured:
@@ -208,8 +205,7 @@ def saturation(rr: Resolved, url: str, concurrencies: list[int], rounds: int = 2
     with 1, 2, 4... such requests in flight at once."""
     from transformers import AutoTokenizer
 
-    from workbench.serving import sync
-    from workbench.tasks import dataset
+    from workbench.serving import sync  # lazy: torch
 
     args = rr.recipe.trainer
     n = int(args.get("num_generations", 8))
@@ -259,9 +255,8 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
     """Every size × path, one after the other (never two at once: they would share cores). `recipe` is a loaded
     Recipe; `overrides` apply to every path last (e.g. monitor.canary_every=1); `run_dir`: write there (a notebook's
     run) instead of a new `<time>-<recipe>-bench` directory."""
-    from workbench.serving.server import VLLMServer
-    from workbench.tasks import tinymodel
-    from workbench.training.train import run_trainer
+    from workbench.serving.server import VLLMServer  # lazy: requests
+    from workbench.training.train import run_trainer  # lazy: prometheus_client
 
     sizes = sizes or (list(SIZES) if recipe.model.path == "tiny" else ["tiny"])
     paths = paths or list(PATHS)
@@ -280,7 +275,6 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
     # every recipe is checked before anything starts
     plans = {(s, p): _recipe(recipe, s, p, steps, warmup, overrides) for s in sizes for p in paths}
     first = next(iter(plans.values()))
-    from workbench.training.config import preflight
 
     for rr in plans.values():
         preflight(rr)
@@ -298,18 +292,18 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
         served = [p for p in paths if p in SERVED]
         for path in local:
             rr = plans[(size, path)]
-            train_dir = TrainDir(stage.path / f"{size}-{path}").make()
+            train_dir = run_dir.bench_training(size, path).make()
             log(f"bench: {size} {path}: {steps + warmup} steps")
             run_trainer(rr, train_dir, model_path, log=log)
             bench.results.append(summarise(size, path, train_dir, warmup))
         if served:
             rr = plans[(size, served[0])]
-            logs = stage.path / size
+            logs = run_dir.bench_server_logs(size)
             logs.mkdir(exist_ok=True)
             with VLLMServer(rr, model_path, logs, for_training=True) as srv:
                 log(f"bench: {size} server up in {srv.startup_seconds or 0:.0f}s at {srv.url}")
                 for path in served:
-                    train_dir = TrainDir(stage.path / f"{size}-{path}").make()
+                    train_dir = run_dir.bench_training(size, path).make()
                     log(f"bench: {size} {path}: {steps + warmup} steps")
                     run_trainer(plans[(size, path)], train_dir, model_path, srv.pid,
                                 srv.url, log=log, restart=srv.restart)

@@ -1,7 +1,7 @@
 """The reward lab: score candidate reward functions on completions you already have, before spending a training run
 on them, and see whether they would teach what you want.
 
-    from workbench.tasks import rewardlab
+    from workbench.experiments import rewardlab
     samples = rewardlab.from_run(run.train)                 # a run's group record (or TRL's completion logs)
     samples = rewardlab.sample(rr, num_prompts=16)          # or a fresh offline generation: G completions per prompt
     samples = rewardlab.completions(rr, source)             # either: a run directory's, or (source "") fresh
@@ -28,8 +28,9 @@ from pathlib import Path
 import pandas as pd
 
 from workbench.errors import WorkbenchError
-from workbench.rundir import TrainDir
-from workbench.tasks import rewardspec
+from workbench.observe import groups
+from workbench.rundir import RunDir, TrainDir, write_atomic
+from workbench.tasks import dataset, rewards as builtin, rewardspec
 from workbench.tasks.rewards import completion_text
 
 LENGTH_CORRELATION = 0.7  # |Spearman| with length above this, and well above that with correctness: the length hack
@@ -40,12 +41,10 @@ NO_SIGNAL = 0.9  # share of groups with zero spread above which a reward teaches
 def from_run(train: TrainDir) -> pd.DataFrame:
     """Completions a run generated: its group record (train/groups/) or, for older runs, TRL's completion logs.
     Columns: step, group, prompt, completion, length (tokens or, from TRL's logs, characters)."""
-    from workbench.observe import groups
-
     df = groups.load(train)
     if not df.empty:
         return df[["step", "group", "prompt", "completion", "length"]].copy()
-    logs = sorted(train.completions.glob("completions_*.parquet")) if train.completions.is_dir() else []
+    logs = list(train.completion_logs().values())
     if not logs:
         raise WorkbenchError(f"no completions recorded in {train.path} (no groups/ and no TRL completion logs)",
                              "train with monitor.groups_per_step > 0 (the default), or use rewardlab.sample(rr)")
@@ -65,8 +64,7 @@ def sample(rr, num_prompts: int = 16, num_generations: int | None = None, model_
            temperature: float | None = None, log=print) -> pd.DataFrame:
     """A fresh offline generation (vLLM in this process, the served engine's settings): G completions for each of
     the first training prompts, at the recipe's training temperature and completion length."""
-    from workbench.serving import offline
-    from workbench.tasks import dataset
+    from workbench.serving import offline  # lazy: yaml
 
     recipe = rr.recipe
     size = num_generations or int(recipe.trainer.get("num_generations", 8))
@@ -89,8 +87,6 @@ def sample(rr, num_prompts: int = 16, num_generations: int | None = None, model_
 
 def completions(rr, source: str = "", num_prompts: int = 16, log=print) -> pd.DataFrame:
     """What the lab scores: the completions recorded in the run directory `source`, or (empty) a fresh sample."""
-    from workbench.rundir import RunDir
-
     return from_run(RunDir.open(source).train) if source else sample(rr, num_prompts=num_prompts, log=log)
 
 
@@ -131,8 +127,6 @@ class Lab:
         """lab.json (table, warnings, sample count), lab.md and lab.png into a run's lab/ directory."""
         import json
 
-        from workbench.rundir import write_atomic
-
         stage.make()
         self.figure(stage.figure)
         write_atomic(stage.table, self.markdown() + "\n")
@@ -142,10 +136,7 @@ class Lab:
 
     def figure(self, path: Path | str | None = None):
         """Each reward's score distribution, correct vs wrong completions overlaid."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from workbench.plots import plt, save_png  # lazy: matplotlib
 
         fig, axes = plt.subplots(1, len(self.rewards), figsize=(3.2 * len(self.rewards), 2.6), squeeze=False)
         for ax, name in zip(axes[0], self.rewards):
@@ -158,9 +149,7 @@ class Lab:
             ax.legend(fontsize=7)
         fig.tight_layout()
         if path is not None:
-            from workbench.observe import figures
-
-            figures.save_png(fig, Path(path))
+            save_png(fig, Path(path))
         return fig
 
 
@@ -176,7 +165,6 @@ def score(samples: pd.DataFrame, rewards: dict, recipe=None) -> Lab:
     completions = [[{"role": "assistant", "content": str(c)}] for c in df["completion"]]
     prompts = [[{"role": "user", "content": str(p)}] for p in df["prompt"]]
     answers = [a if isinstance(a, str) else None for a in df["answer"]]
-    from workbench.tasks import rewards as builtin
 
     df["correct"] = pd.Series(builtin.correctness(prompts, completions, answer=answers), index=df.index, dtype=float)
     for spec in specs:
@@ -200,8 +188,6 @@ def _corr(a: pd.Series, b: pd.Series) -> float:
 
 
 def _gold_lookup(recipe) -> dict[str, str]:
-    from workbench.tasks import dataset
-
     return {row["prompt"][-1]["content"]: row["answer"] for row in dataset.recipe_rows(recipe)}
 
 

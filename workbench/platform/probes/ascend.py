@@ -11,10 +11,8 @@ import subprocess
 import time
 from typing import Callable
 
-from workbench.platform import npusmi
 from workbench.errors import WorkbenchError
-from workbench.observe.probes import roles
-from workbench.recipe import Recipe
+from workbench.platform import npusmi
 
 
 def run_npu_smi(*args: str) -> str:
@@ -31,8 +29,8 @@ def run_npu_smi(*args: str) -> str:
 class AscendProbe:
     kind = "npu"
 
-    def __init__(self, recipe: Recipe, runner: Callable[..., str] = run_npu_smi):
-        self.roles = roles(recipe)
+    def __init__(self, roles: dict[int, str], runner: Callable[..., str] = run_npu_smi):
+        self.roles = dict(roles)
         self.runner = runner
 
     def sample(self) -> list[dict]:

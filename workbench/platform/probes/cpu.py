@@ -12,15 +12,14 @@ import time
 
 import psutil
 
-from workbench.observe.probes import roles
-from workbench.recipe import Recipe
+from workbench.errors import WorkbenchError
 
 
 class CpuProbe:
     kind = "cpu"
 
-    def __init__(self, recipe: Recipe, server_pid: int | None = None, trainer_pid: int | None = None):
-        self.roles = roles(recipe)
+    def __init__(self, roles: dict[int, str], server_pid: int | None = None, trainer_pid: int | None = None):
+        self.roles = dict(roles)
         self.root_pids = {"server": server_pid, "trainer": trainer_pid or os.getpid()}
         self._procs: dict[int, psutil.Process] = {}
         self._trees: dict[int, tuple[float, list[psutil.Process]]] = {}
@@ -28,7 +27,6 @@ class CpuProbe:
         ncores = psutil.cpu_count() or 1
         missing = [d for d in self.roles if d >= ncores]
         if missing:
-            from workbench.errors import WorkbenchError
             raise WorkbenchError(f"devices lists cores {missing}, but this machine has {ncores}",
                                  f"use core ids 0..{ncores - 1} in devices.server and devices.trainer")
         psutil.cpu_percent(percpu=True)  # prime: the next call measures from here

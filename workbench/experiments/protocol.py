@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
-from workbench.rundir import RunDir, write_atomic
+from workbench.rundir import RunDir, set_aside, weights, write_atomic
+from workbench.tasks import dataset
 
 BASELINE = "recipe"
 VALIDATION, TEST = "validation", "heldout"
@@ -187,8 +188,7 @@ def check(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds
     """Everything that would stop the protocol after hours, refused before its first training: seeds, names,
     overrides that load, a validation split to choose on, evaluation rows on both splits, candidates that change
     the data or the evaluation."""
-    from workbench import recipe
-    from workbench.tasks import dataset
+    from workbench import recipe  # lazy: yaml
 
     if not seeds or len(set(seeds)) != len(seeds):
         raise WorkbenchError(f"--seeds {seeds} must name one or more distinct seeds", "e.g. --seeds 1,2,3")
@@ -252,7 +252,7 @@ def _finished(directory: Path) -> RunDir | None:
     """The training in `directory` when it ran to its end (its summary and final model are there): a protocol
     killed after a training and before recording it keeps it."""
     run = _only_run(directory)
-    if run is None or not run.train.summary.exists() or not (run.train.final / "model.safetensors").exists():
+    if run is None or not run.train.summary.exists() or not weights(run.train.final).exists():
         return None
     return run
 
@@ -260,7 +260,7 @@ def _finished(directory: Path) -> RunDir | None:
 def _evaluate(rr, models: dict[str, str], stage, server, log):
     """The split's one evaluation (evaluation/evaluate.py): every model scored once, loaded in turn into `server`
     when the protocol shares one."""
-    from workbench.evaluation import evaluate
+    from workbench.evaluation import evaluate  # lazy: requests
 
     return evaluate.evaluate(rr, models, stage=stage, quiet=True, log=log, server=server)
 
@@ -270,9 +270,9 @@ def _split_out(evaluation, base_samples: list, base_summary, label: str, run: Ru
     leaves it (base and trained, samples, table, figure, problem-by-problem analysis), and the run's report."""
     from dataclasses import replace
 
-    from workbench.evaluation import analysis
-    from workbench.evaluation.evaluate import Evaluation
-    from workbench.observe import report
+    from workbench.evaluation import analysis  # lazy: yaml
+    from workbench.evaluation.evaluate import Evaluation  # lazy: requests
+    from workbench.observe import report  # lazy: matplotlib
 
     trained = evaluation.by_model()[label]
     own = Evaluation([replace(base_summary, model="base"), replace(trained, model="trained")],
@@ -294,11 +294,7 @@ def _label(index: int, seed: int, split: str) -> str:
 def _fresh(directory: Path) -> None:
     """A training that did not finish (a crash, a kill) leaves its directory: kept aside, started again."""
     if directory.exists():
-        aside, n = directory.with_name(f"{directory.name}.incomplete"), 1
-        while aside.exists():
-            n += 1
-            aside = directory.with_name(f"{directory.name}.incomplete-{n}")
-        shutil.move(str(directory), str(aside))
+        shutil.move(str(directory), str(set_aside(directory)))
 
 
 def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: list[int],
@@ -306,10 +302,10 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
     """Choose on validation, report on test (module docstring); saves and returns the protocol and its run. With
     `resume`, an earlier protocol's directory: its recorded trainings and evaluations are kept, the rest done;
     `seeds` may add test seeds to it."""
-    from workbench import recipe
-    from workbench.evaluation.evaluate import Evaluation
-    from workbench.serving.shared import SharedServer
-    from workbench.tasks.tinymodel import ensure_model
+    from workbench import recipe  # lazy: yaml
+    from workbench.evaluation.evaluate import Evaluation  # lazy: requests
+    from workbench.serving.shared import SharedServer  # lazy: requests
+    from workbench.tinymodel import ensure_model  # lazy: yaml
 
     if resume is not None:
         out = RunDir.open(resume)
@@ -329,7 +325,7 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
         result = Protocol(recipe_name, choose_seed, list(seeds), candidates, common)
     stage = out.protocol.make()
     started = time.time() - result.seconds
-    shared = SharedServer(stage.path / "server", log)
+    shared = SharedServer(stage.server, log)
 
     def save() -> None:
         result.seconds = time.time() - started
@@ -356,14 +352,14 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
             overrides = [*c.overrides, f"trainer.seed={seed}", f"eval.split={split}"]
             share(resolved(overrides))
             log(f"[{time.time() - started:5.0f}s] {c.name!r}, seed {seed}: train, to be scored on {split} "
-                f"(log: {stage.logs / f'{label}.log'})")
+                f"(log: {out.protocol_log(label)})")
             with shared.answering():
                 _workbench(["train", "--recipe", result.recipe, *result.common, *overrides,
-                            f"monitor.runs_dir={directory}"], stage.logs / f"{label}.log")
+                            f"monitor.runs_dir={directory}"], out.protocol_log(label))
             done = _finished(directory)
             if done is None:
                 raise WorkbenchError(f"the training {label} ended without its final model",
-                                     f"see {stage.logs / f'{label}.log'}")
+                                     f"see {out.protocol_log(label)}")
         summary = json.loads(done.train.summary.read_text())
         training = Training(label, c.name, seed, split, str(done.path), summary.get("train_seconds"))
         result.trainings.append(training)

@@ -9,8 +9,6 @@ import os
 import time
 
 from workbench.errors import WorkbenchError
-from workbench.observe.probes import roles
-from workbench.recipe import Recipe
 
 
 def physical_index(logical: int, visible: str | None) -> int:
@@ -26,7 +24,7 @@ def physical_index(logical: int, visible: str | None) -> int:
 class NvidiaProbe:
     kind = "gpu"
 
-    def __init__(self, recipe: Recipe, nvml=None):
+    def __init__(self, roles: dict[int, str], nvml=None):
         if nvml is None:
             try:
                 import pynvml as nvml
@@ -42,7 +40,7 @@ class NvidiaProbe:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         count = nvml.nvmlDeviceGetCount()
         self.handles = {}
-        for logical, role in sorted(roles(recipe).items()):
+        for logical, role in sorted(roles.items()):
             index = physical_index(logical, visible)
             if index >= count:
                 raise WorkbenchError(f"devices lists GPU {logical}, but NVML sees {count}",

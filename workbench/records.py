@@ -5,7 +5,7 @@ killed at any moment keeps everything it logged. Names are normalised on the way
 files written by older versions): TRL has renamed its metrics between releases (`completion_length` became
 `completions/mean_length`, `rewards/<fn>` became `rewards/<fn>/mean`), and trackers prefix them with `train/`.
 
-    from workbench.observe import records
+    from workbench import records
     rows = records.read_jsonl(run.train.metrics)             # complete lines only, names normalised
     tail = records.Tail(path); tail.read()                   # only the lines added since the last call
 

@@ -13,11 +13,18 @@ from __future__ import annotations
 import threading
 import time
 
-from workbench.observe import probes
-from workbench.observe.records import append_jsonl
-from workbench.observe.scraper import Scraper
-from workbench.recipe import Resolved
+from workbench.platform import probes
+from workbench.recipe import Recipe, Resolved
+from workbench.records import append_jsonl
 from workbench.rundir import TrainDir
+from workbench.serving.scraper import Scraper
+
+
+def device_roles(recipe: Recipe) -> probes.Roles:
+    """Device id -> role, from the recipe's device split."""
+    out = {d: "trainer" for d in recipe.devices.trainer}
+    out.update({d: "server" for d in recipe.devices.server})  # a colocated device counts as the server's
+    return out
 
 
 class Monitor:
@@ -28,7 +35,8 @@ class Monitor:
         self.devices_path = train_dir.devices
         self.rollout_path = train_dir.rollout
         self.enabled = enabled and self.interval > 0
-        self.probe = probe or (probes.for_recipe(rr, server_pid=server_pid, trainer_pid=trainer_pid)
+        self.probe = probe or (probes.for_platform(rr.platform, device_roles(rr.recipe), server_pid=server_pid,
+                                                     trainer_pid=trainer_pid)
                                if self.enabled else None)
         self.scraper = Scraper(server_url, rr.headers) if (server_url and self.enabled) else None
         self.samples = 0

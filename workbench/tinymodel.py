@@ -12,7 +12,7 @@ The result is a normal Hugging Face directory (vLLM serves it, TRL trains it), c
 data/tiny-model/<settings-hash>/ (see workbench.paths) and reused when the settings are the same.
 
     workbench tiny-model              # build or reuse, print the held-out accuracy
-    python -m workbench.tasks.tinymodel
+    python -m workbench.tinymodel
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from workbench import recipe as recipes
 from workbench.errors import WorkbenchError
 from workbench.recipe.resolve import model_dir  # where a tiny model lives is part of the resolution
 from workbench.recipe.schema import TINY_BUILD_VERSION, Recipe, TinyModelConfig
-from workbench.tasks import arithmetic
+from workbench.tasks import arithmetic, rewards
 
 BUILD_VERSION = TINY_BUILD_VERSION
 INFO_FILE = "tiny_model.json"
@@ -147,8 +148,6 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 48
     if not rows:  # model.tiny.eval_size: 0 (the benchmark's random-weight model is not scored)
         return {"n": 0, "accuracy": 0.0, "format_rate": 0.0, "samples": []}
 
-    from workbench.tasks import rewards
-
     texts: list[str] = []
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
@@ -263,9 +262,7 @@ def check_tokenizer(path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from workbench import recipe as recipes
-
-    parser = argparse.ArgumentParser(prog="python -m workbench.tasks.tinymodel")
+    parser = argparse.ArgumentParser(prog="python -m workbench.tinymodel")
     parser.add_argument("--recipe", default="cpu-tiny")
     parser.add_argument("--force", action="store_true")
     args, overrides = parser.parse_known_args(argv)
