@@ -293,7 +293,7 @@ def test_the_floor_checks_see_a_planted_upward_import_and_circle():
 
 # The numbered and derived names rundir.py makes (checkpoint-8, step_000008.parquet, ...), by their fixed part.
 TEMPLATED = ("checkpoint-", "completions_", "step_", ".before-restart-", "restart.request", "restart.answer",
-             "vllm-server-", ".incomplete", "-compare")
+             "vllm-server-", ".incomplete", "-compare", "model.safetensors")
 # (file, name): a path that shares a run-file name but is no run's.
 NOT_RUN_FILES = {("workbench/paths.py", "notebooks"): "the package's own notebooks, not a run's executed copies"}
 PATH_CALLS = {"glob", "rglob", "with_name", "with_suffix", "joinpath", "Path"}
@@ -340,6 +340,15 @@ def run_paths_spelled(text: str, where: str, names: set[str]) -> list[str]:
     return found
 
 
+def _notebook_code(path: Path) -> str:
+    """A notebook's code cells as one module (IPython's % and ! lines left out)."""
+    import json
+
+    cells = json.loads(path.read_text())["cells"]
+    return "\n".join("".join(line for line in c["source"] if not line.lstrip().startswith(("%", "!")))
+                     for c in cells if c["cell_type"] == "code")
+
+
 def test_only_rundir_spells_the_names_of_a_runs_files():
     names = run_file_names()
     assert {"metrics.jsonl", "train.json", "checkpoints", "final", "STOP", "samples.jsonl", "report.html"} <= names
@@ -348,6 +357,8 @@ def test_only_rundir_spells_the_names_of_a_runs_files():
         where = str(path.relative_to(REPO))
         if where != "workbench/rundir.py":
             spelled += run_paths_spelled(path.read_text(), where, names)
+    for path in sorted((PACKAGE / "notebooks").glob("*.ipynb")):  # the notebooks write into runs too
+        spelled += run_paths_spelled(_notebook_code(path), str(path.relative_to(REPO)), names)
     assert spelled == []
 
 

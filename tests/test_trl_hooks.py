@@ -194,8 +194,10 @@ def _cpu_gemm_dispatch():
     from vllm.model_executor.layers import linear, utils
 
     assert list(inspect.signature(utils.dispatch_cpu_unquantized_gemm).parameters) == ["layer", "remove_weight"]
-    # linear.py looks it up on the utils module when it runs, so replacing the module attribute reaches it
+    # linear.py imports it from the utils module when it runs (not at its own import), so replacing the module
+    # attribute reaches it: bound at import, linear would keep the original and the weights would go stale again
     assert "dispatch_cpu_unquantized_gemm" in _source(linear)
+    assert not hasattr(linear, "dispatch_cpu_unquantized_gemm")
 
 
 INTERNALS = {"client session": _client_session, "distributed backend": _distributed_backend,

@@ -22,8 +22,13 @@ One layout for every run, whether `workbench run` executed all stages or `workbe
         eval/    samples.jsonl  summary.json  comparison.md  comparison.png  vllm-server-<port>-<model>.log
                  analysis.json (base vs trained per problem: fixed, broken, breakdowns by category and length)
         bench/   bench.json  bench.md  bench.png  <size>-<path>/ (a training directory per rollout path)
+                 <size>/vllm-server-<port>.log (the server the served paths of one size share)
         lab/     lab.json  lab.md  lab.png (the reward lab: rewards scored, warnings; experiments/rewardlab.py)
-        protocol/ protocol.json  protocol.md  runs/<label>/<run>/  logs/<label>.log (`workbench protocol`)
+        protocol/ protocol.json  protocol.md  runs/<label>/<run>/  logs/<label>.log  server/ (`workbench protocol`;
+                 a training that did not finish is kept aside as <run>.incomplete[-N])
+
+    <stamp>-compare/  compare.md  compare.png  compare.json (`workbench compare` without --out: beside the runs)
+    servers/          vllm-server-<port>.log (a server started outside any run directory)
 
 Each stage's result type saves and loads itself through these paths (offline, serving sweep, smoke checks,
 training summary, evaluation); readers (report, advisor, dashboard, analysis) go through the same object.
@@ -110,9 +115,6 @@ class TrainDir:
     restart_request = property(lambda self: self.path / "server-restart.request")  # a rank asks for a new server
     restart_answer = property(lambda self: self.path / "server-restart.answer")
     own_recipe = property(lambda self: self.path / RECIPE)  # a training's own (the smoke variant, a resumed run)
-
-    def checkpoint(self, step: int) -> Path:
-        return self.checkpoints / f"checkpoint-{step}"
 
     def complete_checkpoints(self) -> dict[int, Path]:
         """Step -> checkpoint directory, for those whose trainer_state.json is written (transformers writes it
@@ -278,7 +280,7 @@ def _fresh(base: Path, name: str) -> Path:
 def comparison(out: Path | str | None = None, beside: Path | str | None = None) -> StageDir:
     """What `workbench compare` writes: compare.md, compare.png, compare.json, into `out`, or else into a new
     `<stamp>-compare/` in the directory `beside` (the runs directory of the first run compared)."""
-    path = Path(out) if out is not None else _fresh(Path(beside), "compare")
+    path = Path(out) if out else _fresh(Path(beside), "compare")
     return StageDir(path, table="compare.md", figure="compare.png", json="compare.json")
 
 

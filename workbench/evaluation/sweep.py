@@ -12,6 +12,8 @@ so the table reads as ratios measured in one run on one machine. Notebook 02 and
 from __future__ import annotations
 
 import json
+import os
+import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -108,9 +110,6 @@ def run(rr: Resolved, rows: list[dict], concurrencies: list[int], url: str | Non
 def measure(rr: Resolved, concurrencies: list[int], log=print) -> tuple[Sweep, Path]:
     """`workbench eval --sweep`: a run directory of its own, a server of its own on the recipe's model, the sweep
     over the recipe's evaluation rows, saved there. Returns the sweep and its serving.json."""
-    import os
-    import platform
-
     stage = RunDir.create(rr.recipe, "sweep").serving
     rows = dataset.eval_rows(rr.recipe)
     with VLLMServer(rr, ensure_model(rr), stage.make().path) as srv:

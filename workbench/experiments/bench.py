@@ -256,7 +256,7 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
     Recipe; `overrides` apply to every path last (e.g. monitor.canary_every=1); `run_dir`: write there (a notebook's
     run) instead of a new `<time>-<recipe>-bench` directory."""
     from workbench.serving.server import VLLMServer  # lazy: requests
-    from workbench.training.train import run_trainer  # lazy: prometheus_client
+    from workbench.training.train import run_trainer  # lazy: torch
 
     sizes = sizes or (list(SIZES) if recipe.model.path == "tiny" else ["tiny"])
     paths = paths or list(PATHS)

@@ -62,8 +62,6 @@ TITLES = {"reward": "reward (mean per completion)", "kl": "KL to the reference",
           "entropy": "entropy (nats/token)", "completions/mean_length": "completion length (tokens)",
           "time/step": "step time (s)", "learning_rate": "learning rate",
           "rollout/tokens_per_second": "generation tokens/s"}
-# What a comparison writes into its output directory (a comparison is not a run: these live outside rundir.py's
-# run layout, in the directory `workbench compare --out` names or notebook 07's run directory).
 TAG_NAME_LIMIT = 64
 ABSENT = "(absent)"  # a recipe key one run's recipe does not have (a recipe from before the key existed)
 _STAGE_DIRS = ("train", "smoke")

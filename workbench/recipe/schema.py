@@ -1,8 +1,8 @@
 """The recipe's sections as dataclasses: every knob, its type, its default and (in a comment) what it does.
 
 A knob with a fixed set of values says so in its type (`Literal[...]`): the loader refuses anything else with the
-list, so the choices live here and nowhere else. Code asks a resolved recipe named questions about them
-(`rr.managed`, `rr.attached`, ...; workbench/recipe/resolve.py) rather than comparing strings.
+list, so the choices live here and nowhere else. Code asks the sections named questions about them
+(`recipe.server.managed`, `.attached`, `.over_http`, `recipe.rollout.overlapped`, ...) rather than comparing strings.
 
 A recipe has ten sections: model, data, server, rollout, trainer, rewards, devices, distributed, monitor, eval. Each
 knob lives in

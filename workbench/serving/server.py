@@ -146,7 +146,7 @@ class _Indicator:
 
 
 LIKELY_CAUSES = [
-    ("Illegal instruction", "the CPU build loaded kernels this CPU lacks: launch through workbench.vllm_cpu (it does by default)"),
+    ("Illegal instruction", "the CPU build loaded kernels this CPU lacks: launch through workbench.serving.vllm_cpu (it does by default)"),
     ("less than desired CPU memory", "lower server.kv_cache_space_gib (VLLM_CPU_KVCACHE_SPACE)"),
     ("No available memory for the cache blocks", "raise server.gpu_memory_utilization or lower server.max_model_len"),
     ("out of memory", "lower server.gpu_memory_utilization, server.max_model_len or server.max_num_seqs"),

@@ -19,7 +19,7 @@ from workbench.rundir import TrainDir
 
 def main(argv: list[str] | None = None) -> int:
     from workbench import recipe, tinymodel  # lazy: yaml
-    from workbench.training.train import run_trainer  # lazy: prometheus_client
+    from workbench.training.train import run_trainer  # lazy: torch
 
     parser = argparse.ArgumentParser(prog="python -m workbench.training.rank")
     parser.add_argument("--train-dir", required=True)
