@@ -217,15 +217,12 @@ def wait_for(predicate, timeout: float, proc=None, what: str = "", log: Path | N
 
 
 def served_during(train_dir, end: dict | None = None) -> dict[str, float]:
-    """The server's counters for one training: `end` (default: its server_metrics.prom at the run's end) less the
-    snapshot taken as it began (server_metrics.start.prom). An attached training shares its server with other
-    tests, which the counters would otherwise include."""
-    from workbench.serving import scraper
+    """The server's counters for one training, less what it had served before (smoke.served_during). An attached
+    training shares its server with other tests, so the snapshot taken as it began must be there."""
+    from workbench.training import smoke
 
-    end = end if end is not None else scraper.parse(train_dir.server_metrics.read_text())
-    start = scraper.parse(train_dir.server_metrics_start.read_text())
-    return {key: end[key] - start.get(key, 0.0) for key in ("generation_prompts", "generation_sequences",
-                                                             "probe_requests") if key in end}
+    assert train_dir.server_metrics_start.exists(), "the training took no snapshot of the server's counters"
+    return smoke.served_during(train_dir, end)
 
 
 def steps_logged(train_dir) -> list[int]:

@@ -267,14 +267,18 @@ class RunDir:
 
 
 
-def _fresh(base: Path, name: str) -> Path:
-    """A path under `base` named `<stamp>-<name>` that does not exist yet (-2, -3... when it does)."""
-    name = f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
-    path, suffix = base / name, 1
-    while path.exists():
+def _unused(path: Path) -> Path:
+    """`path`, or when it exists `path-2`, `path-3`...: the first that does not."""
+    found, suffix = path, 1
+    while found.exists():
         suffix += 1
-        path = base / f"{name}-{suffix}"
-    return path
+        found = path.with_name(f"{path.name}-{suffix}")
+    return found
+
+
+def _fresh(base: Path, name: str) -> Path:
+    """A path under `base` named `<stamp>-<name>` that does not exist yet."""
+    return _unused(base / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}")
 
 
 def comparison(out: Path | str | None = None, beside: Path | str | None = None) -> StageDir:
@@ -291,11 +295,7 @@ def weights(model_dir: Path | str) -> Path:
 
 def set_aside(directory: Path) -> Path:
     """Where an unfinished directory is moved so it can be started again: `<name>.incomplete`, then -2, -3..."""
-    aside, n = directory.with_name(f"{directory.name}.incomplete"), 1
-    while aside.exists():
-        n += 1
-        aside = directory.with_name(f"{directory.name}.incomplete-{n}")
-    return aside
+    return _unused(directory.with_name(f"{directory.name}.incomplete"))
 
 
 def loose_server_logs(runs_dir: Path | str) -> Path:

@@ -31,7 +31,7 @@ class GroupRecorder:
     """Writes one parquet file per training step into `train_dir.groups`."""
 
     def __init__(self, train_dir: TrainDir, groups_per_step: int, seed: int = 0):
-        self.train_dir, self.dir = train_dir, train_dir.groups
+        self.train_dir = train_dir
         self.groups_per_step = groups_per_step
         self.seed = seed
 
@@ -74,7 +74,7 @@ class GroupRecorder:
     def _write(self, step: int, rows: list[dict]) -> None:
         import pandas as pd
 
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.train_dir.groups.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
         pd.DataFrame(rows).to_parquet(buffer, index=False)
         write_atomic(self.train_dir.group_file(step), buffer.getvalue())

@@ -96,22 +96,33 @@ def rollouts_asked(trainer: dict, processes: int, steps: int) -> tuple[int, int]
     return completions // int(trainer.get("num_generations") or 8), completions
 
 
+SERVED = ("generation_prompts", "generation_sequences", "probe_requests")
+
+
+def served_during(train_dir: TrainDir, end: dict | None = None) -> dict[str, float]:
+    """What the server generated and scored for this training: its counters at the end (`end`, default the
+    training's server_metrics.prom) less the snapshot taken as the training began, when there is one (a shared
+    server served other stages or trainings before)."""
+    end = end if end is not None else scraper.parse(train_dir.server_metrics.read_text())
+    start = scraper.parse(train_dir.server_metrics_start.read_text()) if train_dir.server_metrics_start.exists() else {}
+    return {key: end.get(key, 0.0) - start.get(key, 0.0) for key in SERVED}
+
+
 def _served_check(train_dir: TrainDir, summary: dict, steps: int) -> Check:
     """The server's own count of what it generated during this training (the snapshot at its start taken away: a
     shared server served other stages before), against what the steps asked for."""
     name = "server served the rollouts"
     if not train_dir.server_metrics.exists():
         return Check(name, False, f"no {train_dir.server_metrics.name}: the server's counters were not read")
-    end = scraper.parse(train_dir.server_metrics.read_text())
-    start = scraper.parse(train_dir.server_metrics_start.read_text()) if train_dir.server_metrics_start.exists() else {}
-    prompts, sequences = (end.get(k, 0.0) - start.get(k, 0.0) for k in ("generation_prompts", "generation_sequences"))
+    served = served_during(train_dir)
+    prompts, sequences = served["generation_prompts"], served["generation_sequences"]
     import yaml
 
     trainer = (yaml.safe_load(train_dir.recipe.read_text()) or {}).get("trainer") or {} if train_dir.recipe.exists() else {}
     generated_steps = steps - int(summary.get("resumed_from") or 0)
     want_prompts, want_sequences = rollouts_asked(trainer, int(summary.get("processes") or 1), generated_steps)
     counted = (f"{prompts:.0f} prompts, {sequences:.0f} completions generated (and "
-               f"{end.get('probe_requests', 0.0) - start.get('probe_requests', 0.0):.0f} one-token probes) for "
+               f"{served['probe_requests']:.0f} one-token probes) for "
                f"{generated_steps} steps that asked for {want_prompts} and {want_sequences}")
     if summary.get("restarts"):  # a restarted server counts from zero again: only the last server's share is here
         return Check(name, 0 < sequences <= want_sequences,
