@@ -10,7 +10,7 @@ KERNEL  := grpo-workbench
 # the contract tests' second environment (vLLM 0.23.0, the Ascend row's): one-time, minutes, apart from the suite's time
 CONTRACT_ENV := .venv-vllm-0.23.0/.contract-env.json
 
-.PHONY: demo test test-fast contract-env lab install clean-venv
+.PHONY: demo test test-fast contract-env lab install clean-venv wheelhouse
 
 install: $(STAMP)
 
@@ -52,3 +52,13 @@ test-fast: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# the device check's wheels (scripts/device_check.sh): the pure-Python packages an NVIDIA machine with torch, transformers
+# and accelerate lacks, for its Python 3.12; carried there in .whl/ (git-ignored)
+WHEELS := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 math-verify==0.9.0 \
+	latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 openai==3.57.0 jiter==0.19.0 sniffio==1.3.1 \
+	pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 prometheus-client==0.26.0 \
+	httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+wheelhouse: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(WHEELS)

@@ -17,6 +17,13 @@ from workbench.rundir import RunDir
 pytest_plugins = ("harness",)
 
 REPO = Path(__file__).resolve().parent.parent
+
+# The session's shared server takes an API key, as a server beyond loopback must: every test that talks to it (the
+# attached smoke training, the evaluation, the notebooks, the clients) does so with the key, read from the variable
+# the recipe names, the way a user's run would. Set here so that every subprocess inherits it.
+SERVER_KEY_ENV = "WORKBENCH_TEST_SERVER_KEY"
+os.environ.setdefault(SERVER_KEY_ENV, "wb-test-" + os.urandom(12).hex())
+KEYED = [f"server.api_key_env={SERVER_KEY_ENV}"]  # the override an attaching recipe adds
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VENV_BIN = Path(sys.executable).parent
 
@@ -114,7 +121,7 @@ def server_recipe(tmp_path_factory):
     from workbench import recipe
 
     runs = tmp_path_factory.mktemp("runs")
-    return recipe.load("cpu-tiny", [f"server.port={free_port()}", f"monitor.runs_dir={runs}"])
+    return recipe.load("cpu-tiny", [f"server.port={free_port()}", f"monitor.runs_dir={runs}", *KEYED])
 
 
 @pytest.fixture(scope="session")
@@ -154,15 +161,16 @@ def model_logprobs(model, ids) -> list[float]:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
-def push_base_weights(url: str, model_dir) -> object:
-    """Push the base model's weights into the server at `url`, as a fresh trainer's first sync would; returns the
-    model."""
+def push_base_weights(url: str, model_dir, headers: dict | None = None) -> object:
+    """Push the base model's weights into the server at `url`, as a fresh trainer's first sync would (with the
+    server's key, `headers`); returns the model."""
     from transformers import AutoModelForCausalLM
 
     from workbench.serving import sync
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    client = sync.SyncingVLLMClient(base_url=url, weight_sync=sync.ReloadSync(aliases=sync.tied_aliases(model)))
+    client = sync.SyncingVLLMClient(base_url=url, weight_sync=sync.ReloadSync(aliases=sync.tied_aliases(model)),
+                                    headers=headers)
     client.init_communicator()
     try:
         client.update_named_params([], iter(model.named_parameters()))
@@ -186,7 +194,7 @@ def restore_base_weights(tiny_server, server_rr, tiny_model_dir) -> None:
 
     from workbench.serving.client import sequence_logprobs
 
-    model = push_base_weights(tiny_server.url, tiny_model_dir)
+    model = push_base_weights(tiny_server.url, tiny_model_dir, server_rr.headers)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is 47 + 35?"}], add_generation_prompt=True,
                                      tokenize=False)
@@ -347,7 +355,9 @@ GROUP_SIZE = 4
 # what the session's smoke run sets beyond the smoke recipe (the compare tests read these as the keys it changed)
 SMOKE_RUN = ["trainer.report_to=tensorboard", "trainer.per_device_train_batch_size=8",
              f"trainer.num_generations={GROUP_SIZE}", "trainer.max_steps=3",
-             "rewards.short={function: lab_rewards:brevity, weight: 0.1, args: {limit: 60}}", "monitor.groups_per_step=8"]
+             "rewards.short={function: lab_rewards:brevity, weight: 0.1, args: {limit: 60}}", "monitor.groups_per_step=8",
+             # a variable for the trainer role: `workbench train` starts the trainer as a child process that has it
+             "devices.env.WORKBENCH_TEST_ROLE=trainer"]
 # the user's reward module: a reward trained with, and a deliberately hackable one for the reward lab
 LAB_REWARDS = """
 def brevity(prompts, completions, limit=10, **kwargs):
@@ -364,7 +374,8 @@ def smoke_run(tmp_path_factory, tiny_server, server_rr, tiny_model_dir):
     step, the group record on, a reward from a file in the project (outside the package, the working directory)
     named module:function with an argument, and the user's tracker (TensorBoard) beside the workbench's own
     metrics; attached to the session's server (server.mode=attach, as a trainer beside a running `workbench serve`),
-    whose base weights go back afterwards. Returns (RunDir, the server's URL). The readers of a finished training
+    whose base weights go back afterwards; with the server's key (server.api_key_env) and a devices.env variable,
+    so the trainer runs as a child process with the trainer role's environment. Returns (RunDir, the server's URL). The readers of a finished training
     share it: the sync, monitor, architecture, evaluation, groups, reward-lab and comparison tests."""
     import subprocess
 
@@ -372,7 +383,7 @@ def smoke_run(tmp_path_factory, tiny_server, server_rr, tiny_model_dir):
     (project / "lab_rewards.py").write_text(LAB_REWARDS)
     runs = project / "runs"
     cmd = workbench_command() + ["train", "--recipe", "smoke", "server.mode=attach", f"server.url={tiny_server.url}",
-                                 f"monitor.runs_dir={runs}", *SMOKE_RUN]
+                                 f"monitor.runs_dir={runs}", *KEYED, *SMOKE_RUN]
     try:
         out = subprocess.run(cmd, cwd=project, capture_output=True, text=True, timeout=900)
     finally:

@@ -18,7 +18,10 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "install"
-PYTHON = "3.11"
+PYTHON = "3.11"            # the CUDA routes' records (scripts/record_install_metadata.py's PYTHON)
+# The Ascend route's Python: triton-ascend 3.2.2's wheels are cp312 only (its fixture's python_tags) and upstream's
+# vllm-ascend v0.23.0 images are Python 3.12. tests/test_install_pins.py holds README and environment.yml to it.
+ASCEND_PYTHON = "3.12"
 ARCHES = ("x86_64", "aarch64")
 # Where a distribution comes from. Everything but "pypi" is a step outside pip's default index that the README states.
 OUTSIDE_PYPI = {"source", "huawei", "pytorch-cpu"}
@@ -127,6 +130,23 @@ def availability(dist: Dist, arch: str, outside: set[str] = OUTSIDE_PYPI) -> lis
     return [f"{dist.label}: unknown kind {dist.kind!r}"]
 
 
+def cp_tag(python: str) -> str:
+    return "cp" + python.replace(".", "")
+
+
+def wheel_tag_problems(dist: Dist, python: str, require: bool = False) -> list[str]:
+    """Whether a wheel of dist exists for CPython `python`, from the CPython tags recorded for it (python_tags: the tags
+    a wheel is known to exist for, each list with its python_tags_source). require: a platform wheel without recorded
+    tags is a problem too (for the pins of a route; a recorded resolve's own entries were picked for its Python)."""
+    tags = dist.extra.get("python_tags")
+    if tags:
+        return [] if cp_tag(python) in tags else [
+            f"{dist.label} has no wheel recorded for {cp_tag(python)} (recorded: {', '.join(tags)}); target {python}"]
+    if require and dist.kind == "wheel" and (dist.arch != "any" or dist.index != "pypi"):
+        return [f"{dist.label}: no wheel tags recorded (python_tags); cannot tell whether Python {python} has a wheel"]
+    return []
+
+
 def check(pins: dict[str, Dist], arch: str, python: str = PYTHON,
           requested: dict[str, set[str]] | None = None, closed: bool = False,
           outside: set[str] = OUTSIDE_PYPI) -> list[str]:
@@ -145,9 +165,7 @@ def check(pins: dict[str, Dist], arch: str, python: str = PYTHON,
     for name, dist in sorted(pins.items()):
         if dist.requires_python and not _contains(SpecifierSet(dist.requires_python), f"{python}.0"):
             conflicts.append(f"{dist.label} requires Python {dist.requires_python}; target {python}")
-        tags = dist.extra.get("python_tags")
-        if tags and "cp" + python.replace(".", "") not in tags:
-            conflicts.append(f"{dist.label} has wheels for {', '.join(tags)} only; target {python}")
+        conflicts += wheel_tag_problems(dist, python)
         conflicts += availability(dist, arch, outside)
         if dist.requires_dist is None and not (dist.kind == "sdist" and not dist.builds):
             conflicts.append(f"{dist.label}: no recorded Requires-Dist")
@@ -192,6 +210,35 @@ def check(pins: dict[str, Dist], arch: str, python: str = PYTHON,
             conflicts.append(f"no {target} satisfies all of: "
                              + "; ".join(f"{d.label} requires {_show(r)}" for d, r in wants))
     return sorted(set(conflicts))
+
+
+def unreached(header: dict, dists: dict[str, Dist], arch: str, python: str) -> list[str]:
+    """The distributions of a recorded resolve that nothing reaches from its requirements under arch's and python's
+    markers (extras followed): pip evaluates markers on the machine it runs on, so a resolve recorded for aarch64 on
+    an x86_64 host drags in what only x86_64 markers ask for (torch's nvidia-* and triton). Empty: it is arch's."""
+    env = environment(arch, python)
+    extras: dict[str, set[str]] = {}
+    seen: set[str] = set()
+    todo: list[Requirement] = [Requirement(r) for r in header["requirements"]]
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
+            continue
+        new_extras = set(req.extras) - extras.setdefault(name, set())
+        if name in seen and not new_extras:
+            continue
+        seen.add(name)
+        extras[name] |= new_extras
+        dist = dists.get(name)
+        if dist is None:
+            continue
+        for text in dist.requires_dist or []:
+            sub = Requirement(text)
+            if _applies(sub, env, extras[name]):
+                todo.append(Requirement(str(sub).split(";")[0]))
+    return [f"{dists[n].label} is in the {arch} resolve, but nothing requires it on {arch} (Python {python})"
+            for n in sorted(set(dists) - seen)]
 
 
 def notes(pins: dict[str, Dist], arch: str) -> list[str]:

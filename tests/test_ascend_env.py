@@ -1,9 +1,13 @@
 """The environment check tells the truth on fake Ascend hosts of each matrix row: the adapters a row can use, the
-NZ setting, NNAL/ATB, triton-ascend, both CANN layouts, the variables each role really gets; and a hung
-collective self-test ends every process it started."""
+NZ setting, NNAL/ATB, triton-ascend (and that `triton/` is its own, not NVIDIA's triton), both CANN layouts, the
+variables each role really gets; and a hung collective self-test ends every process it started."""
 from __future__ import annotations
 
+import base64
+import hashlib
+import importlib.metadata
 import os
+import re
 import sys
 import textwrap
 import time
@@ -12,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, REPO
 from workbench import envcheck, recipe
 from workbench.platform import compat
 
@@ -131,6 +135,103 @@ def test_timeouts_are_reported_per_role(tmp_path):
     assert "every trainer rank" in connect.fix
     ok = _check("0.23.0", tmp_path / "b").find("HCCL_CONNECT_TIMEOUT")
     assert ok.status == "pass" and ok.found == "server 1800; trainer 1800"
+
+
+# --- the triton package: triton-ascend's, or NVIDIA's triton written over it ----------------------------------------
+
+NVIDIA_INIT = b"# NVIDIA triton\n__version__ = '3.9.0'\n"
+ASCEND_INIT = b"# triton-ascend\n__version__ = '3.2.0'\n"   # triton-ascend 3.2.2's package says 3.2.0
+
+
+def _site(tmp_path: Path, installed: dict[str, tuple[str, bytes]], on_disk: bytes | None):
+    """A site-packages where each of `installed` ({name: (version, its copy of triton/__init__.py)}) has a dist-info
+    whose RECORD lists triton/__init__.py with its copy's hash, as pip writes it; the file itself holds `on_disk`
+    (None: gone). Returns the lookup the env check takes: importlib.metadata's own, over this directory only."""
+    site = tmp_path / "site-packages"
+    (site / "triton").mkdir(parents=True)
+    if on_disk is not None:
+        (site / "triton" / "__init__.py").write_bytes(on_disk)
+    for name, (version, content) in installed.items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        digest = base64.urlsafe_b64encode(hashlib.sha256(content).digest()).rstrip(b"=").decode()
+        (info / "RECORD").write_text(f"triton/__init__.py,sha256={digest},{len(content)}\n"
+                                     f"{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+    return lambda: importlib.metadata.distributions(path=[str(site)])
+
+
+def _triton(tmp_path, installed, on_disk, triton_ascend="3.2.2"):
+    report = envcheck.Report(platform="npu")
+    envcheck.check_triton_package(report, {"triton_ascend": triton_ascend}, _site(tmp_path, installed, on_disk))
+    return report
+
+
+FIX = "pip uninstall -y triton triton-ascend && pip install triton-ascend==3.2.2 --extra-index-url " \
+      "https://mirrors.huaweicloud.com/ascend/repos/pypi"
+
+
+def test_nvidia_triton_written_over_triton_ascend_fails_with_the_repair(tmp_path):
+    """x86_64: vLLM's xgrammar pulls NVIDIA's triton 3.9.0, whose triton/__init__.py replaces triton-ascend's."""
+    both = {"triton": ("3.9.0", NVIDIA_INIT), "triton-ascend": ("3.2.2", ASCEND_INIT)}
+    check = _triton(tmp_path, both, NVIDIA_INIT).find("triton package")
+    assert check.status == "fail"
+    assert check.found == ("triton/__init__.py is triton 3.9.0's, not triton-ascend 3.2.2's: NVIDIA's triton (on "
+                           "x86_64 vLLM's xgrammar pulls it) was installed over it")
+    assert check.fix == FIX == envcheck.triton_ascend_fix("3.2.2")
+
+
+def test_triton_ascend_alone_passes(tmp_path):
+    check = _triton(tmp_path, {"triton-ascend": ("3.2.2", ASCEND_INIT)}, ASCEND_INIT).find("triton package")
+    assert (check.status, check.found) == ("pass", "triton/__init__.py is triton-ascend 3.2.2's")
+
+
+def test_nvidia_triton_beside_triton_ascend_fails_even_when_triton_ascend_wrote_last(tmp_path):
+    both = {"triton": ("3.9.0", NVIDIA_INIT), "triton-ascend": ("3.2.2", ASCEND_INIT)}
+    check = _triton(tmp_path, both, ASCEND_INIT).find("triton package")
+    assert check.status == "fail" and check.found.startswith("triton 3.9.0 also installed into triton/ beside")
+    assert check.fix == FIX
+
+
+def test_triton_package_gone_after_removing_nvidia_triton_fails(tmp_path):
+    """`pip uninstall triton` alone deletes the files both distributions list: triton-ascend is left without them."""
+    check = _triton(tmp_path, {"triton-ascend": ("3.2.2", ASCEND_INIT)}, None).find("triton package")
+    assert check.status == "fail" and "triton/__init__.py is missing" in check.found and check.fix == FIX
+
+
+def test_triton_file_changed_by_something_unlisted_fails(tmp_path):
+    check = _triton(tmp_path, {"triton-ascend": ("3.2.2", ASCEND_INIT)}, NVIDIA_INIT).find("triton package")
+    assert check.status == "fail" and "not the file triton-ascend 3.2.2 installed" in check.found
+
+
+def test_no_triton_ascend_no_triton_check(tmp_path):
+    report = envcheck.Report(platform="cpu")
+    envcheck.check_triton_package(report, {"triton_ascend": None}, _site(tmp_path, {"triton": ("3.9.0", NVIDIA_INIT)},
+                                                                         NVIDIA_INIT))
+    assert report.checks == []   # NVIDIA's triton is the right one where triton-ascend is not installed
+
+
+def test_env_check_runs_the_triton_check(tmp_path):
+    """`workbench env` itself (envcheck.check) asks the injected metadata lookup, not only the unit above."""
+    root, environ = _fake_host(tmp_path, "toolkit")
+    versions = {"python": "3.12.9", "trl": "1.16.0", "transformers": "5.5.4", **ROWS["0.23.0"]}
+    rr = recipe.resolve(recipe.load("ascend-910b-8card"), platform="npu",
+                        versions={k: versions[k] for k in ("vllm", "vllm_ascend")})
+    both = {"triton": ("3.9.0", NVIDIA_INIT), "triton-ascend": ("3.2.2", ASCEND_INIT)}
+    report = envcheck.check(rr, collective=False, platform="npu", environ=environ, versions=versions,
+                            runner=lambda cmd: (0, ""), devices=[f"910B4 {i}" for i in range(8)],
+                            distributions=_site(tmp_path / "x", both, NVIDIA_INIT))
+    assert report.find("triton package").status == "fail"
+    assert f"-> {FIX}" in report.to_text()
+
+
+def test_readme_and_environment_yml_carry_the_repair():
+    """The install route itself removes NVIDIA's triton and puts triton-ascend back (vllm-ascend's Dockerfile does the
+    same): the README's Ascend steps and environment.yml's post-step say the command the env check prints."""
+    readme = (REPO / "README.md").read_text()
+    section = re.search(r"^### Ascend install.*?(?=^## )", readme, re.S | re.M).group(0)
+    assert FIX in section
+    assert FIX in (REPO / "environment.yml").read_text()
 
 
 HANG = textwrap.dedent("""

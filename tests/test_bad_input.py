@@ -42,6 +42,9 @@ def test_no_model_built_and_no_server_started(outcomes):
     assert not data.exists() or not any(data.rglob("config.json"))
     assert not list(runs.rglob("vllm-server-*.log")) if runs.exists() else True
     assert not list(runs.rglob("metrics.jsonl")) if runs.exists() else True
+    # refused before the run directory is written: a bad recipe leaves no half-made run behind
+    left = sorted(str(p.relative_to(runs)) for p in runs.rglob("*")) if runs.exists() else []
+    assert not left, left
 
 
 def test_readme_lists_every_case():

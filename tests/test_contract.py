@@ -23,6 +23,7 @@ import ast
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -563,3 +564,29 @@ def test_a_failed_push_leaves_the_server_able_to_take_the_next(contract_server, 
           f"|served - trainer| {_mean_abs(served, expected):.2e}")
     assert _mean_abs(served, expected) < EXACT
     assert _mean_abs(expected, _logprobs(hccl["base"], ids)) > 0.1
+
+
+def test_a_reconnect_after_a_restart_takes_a_free_group_port(contract_server, hccl, tiny_model_dir, restores_base):
+    """What the recovery does after a server restart (workbench/training/recovery.py): reconnect the weight sync.
+    The old group's store may still hold the group port on the trainer's side (here it does: the first group is
+    alive), so the new group is made on another port; the server's workers join it and the next push lands."""
+    from workbench.serving.client import sequence_logprobs
+
+    adapter, client, ids = hccl["adapter"], hccl["client"], hccl["ids"]
+    old_port, old_group = adapter.group_port, adapter.group
+    holder = socket.socket()  # the old port stays taken however the old group lets go of it
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        try:
+            holder.bind(("127.0.0.1", old_port))
+            holder.listen()
+        except OSError:
+            pass  # the old group's store listens there still: taken either way
+        adapter.reconnect(client, torch.device("cpu"))
+    finally:
+        holder.close()
+    assert adapter.group_port != old_port and adapter.group is not old_group
+    trained = _perturbed(tiny_model_dir, seed=4)
+    _push(hccl, trained)
+    served = sequence_logprobs(contract_server.rr, ids, url=contract_server.url)
+    assert _mean_abs(served, _logprobs(trained, ids)) < EXACT

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import VENV_BIN, free_port
+from conftest import KEYED, SERVER_KEY_ENV, VENV_BIN, free_port
 from workbench import recipe
 from workbench.errors import WorkbenchError
 from workbench.records import read_jsonl
@@ -39,12 +39,14 @@ def _server_processes(port: int) -> set[int]:
 def two_rank_run(tmp_path_factory, tiny_model_dir):
     """`workbench train --recipe smoke distributed.processes=2`: one server, two gloo ranks on the CPU. The server
     is SIGKILLed after step 2: the main rank (a child of accelerate) asks `workbench train`, which owns the server,
-    for a restart, and pushes the weights again."""
+    for a restart, and pushes the weights again. The managed server takes a key (server.api_key_env), the restarted
+    one too."""
     runs = tmp_path_factory.mktemp("two-rank")
     port = free_port()
     before = _server_processes(port)
     sync_dirs = set(Path("/dev/shm").glob("workbench-sync-*"))
     seen: set[int] = set()
+    keys: dict[int, str | None] = {}
     at_once: list[int] = []
     done = threading.Event()
 
@@ -52,6 +54,11 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
         killed = False
         while not done.is_set():
             now = _server_processes(port) - before
+            for pid in now - seen:  # the key each server was started with (it guards the OpenAI routes)
+                try:
+                    keys[pid] = psutil.Process(pid).environ().get("VLLM_API_KEY")
+                except psutil.Error:
+                    pass
             seen.update(now)
             at_once.append(len(now))
             metrics = next(runs.glob("*/train/metrics.jsonl"), None)
@@ -65,7 +72,7 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
     try:
         out = subprocess.run([*WORKBENCH, "train", "--recipe", "smoke", "distributed.processes=2",
                               f"server.port={port}", f"monitor.runs_dir={runs}", "trainer.log_completions=true",
-                              "trainer.max_steps=4", "devices.env.WORKBENCH_TEST_CANARY=from-the-recipe"],
+                              "trainer.max_steps=4", "devices.env.WORKBENCH_TEST_CANARY=from-the-recipe", *KEYED],
                              capture_output=True, text=True, timeout=900)
     finally:
         done.set()
@@ -74,6 +81,7 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
     # the reload adapter's copy of the weights in RAM went with the run
     assert set(Path("/dev/shm").glob("workbench-sync-*")) <= sync_dirs
     (run_dir,) = runs.iterdir()
+    assert set(keys) == seen and set(keys.values()) == {os.environ[SERVER_KEY_ENV]}, "a server started without the key"
     return RunDir(run_dir), seen, out.stdout + out.stderr, max(at_once)
 
 

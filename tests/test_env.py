@@ -162,3 +162,48 @@ def test_installed_torch_npu_and_vllm_ascend_are_read_and_checked(tmp_path, monk
     env.check_versions(report, versions, "cpu", cann="9.1.0")
     chain = report.find("Ascend version chain")
     assert chain.status == "fail" and "torch_npu 2.9.0 -> 2.10.0.post4" in chain.fix and "torch 2.13.0" in chain.fix
+
+
+class _Nvml:
+    """NVML as a driver answers: its version, and every GPU in PCI bus order."""
+
+    def __init__(self, driver: str, names: list[str]):
+        self.driver, self.names = driver, names
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlSystemGetDriverVersion(self):
+        return self.driver
+
+    def nvmlDeviceGetCount(self):
+        return len(self.names)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, handle):
+        return self.names[handle].encode()  # older nvidia-ml-py answers bytes
+
+
+def test_nvidia_driver_against_torchs_cuda_and_the_gpus_by_physical_id():
+    report = env.Report(platform="cuda")
+    names = env.check_nvidia(report, "13.0", nvml=_Nvml("575.57.08", ["NVIDIA H100 80GB HBM3"] * 2))
+    assert names == ["NVIDIA H100 80GB HBM3"] * 2
+    old = report.find("NVIDIA driver")
+    assert old.status == "fail" and "R580" in old.found + old.fix
+    report = env.Report(platform="cuda")
+    assert len(env.check_nvidia(report, "13.0", nvml=_Nvml("580.159.03", ["NVIDIA H200"] * 8))) == 8
+    assert report.find("NVIDIA driver").status == "pass"
+
+
+def test_gpu_recipes_device_splits_on_an_nvidia_host(tmp_path):
+    """The shipped GPU recipes against an 8-GPU host: their ids exist; colocate's one card is not an overlap."""
+    gpus = ["NVIDIA H100 80GB HBM3"] * 8
+    for name in ("cuda-1gpu", "cuda-2gpu", "cuda-8gpu"):
+        report = env.Report(platform="cuda")
+        env.check_platform(report, recipe.load(name), "cuda", gpus)
+        assert report.find("device split").status == "pass", (name, report.find("device split").found)
+    report = env.Report(platform="cuda")
+    env.check_platform(report, recipe.load("cuda-2gpu", ["devices.trainer=[0]"]), "cuda", gpus)
+    assert report.find("device split").status == "fail"

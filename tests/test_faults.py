@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import FAST, steps_logged, workbench_command
+from conftest import FAST, KEYED, steps_logged, workbench_command
 from workbench.records import read_jsonl
 from workbench.rundir import RunDir
 
@@ -116,7 +116,7 @@ def test_canary_stops_a_run_whose_sync_stops(tmp_path, restored_server, monkeypa
 
     monkeypatch.setattr(sync, "make", lambda rr: Stale())
     before = _sync_dirs()
-    r = recipe.load("smoke", ["server.mode=attach", f"server.url={restored_server.url}", f"monitor.runs_dir={tmp_path}",
+    r = recipe.load("smoke", ["server.mode=attach", f"server.url={restored_server.url}", *KEYED, f"monitor.runs_dir={tmp_path}",
                               "trainer.max_steps=20", "trainer.save_steps=100", *FAST])
     run = RunDir.create(r, "train")
     with pytest.raises(CanaryAlarm) as alarm:

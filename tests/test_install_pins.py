@@ -7,11 +7,17 @@ The check itself (tests/install_check.py) needs no network and no pip.
 """
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import re
 import tomllib
+from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 import install_check as ic
 from conftest import REPO
@@ -23,7 +29,7 @@ OLD_ASCEND = ["torch==2.10.0", "torch-npu==2.10.0.post4", "vllm==0.23.0", "vllm-
 PROPOSED_ASCEND = ic.pyproject_extra("ascend")
 ROUTE_STEPS = ic.ROUTE_STEPS
 NO_STEPS = {"x86_64": {}, "aarch64": {}}
-CUDA_ENDS = ("0.22.0", "0.31.0")   # lowest and highest vLLM on PyPI inside the cuda extra's `vllm>=0.22.0,<0.32`
+CUDA_ENDS = ("0.22.0", "0.31.0")   # lowest and highest vLLM inside the cuda extra's `vllm>=0.22.0,<=0.31.0`
 
 
 def project() -> dict:
@@ -82,7 +88,21 @@ def route_pins(extra: list[str], arch: str, steps=ROUTE_STEPS, core_route: str =
     return pins, problems
 
 
-def route_conflicts(extra: list[str], arch: str, steps=ROUTE_STEPS, python: str = ic.PYTHON) -> list[str]:
+def ascend_section() -> str:
+    readme = (REPO / "README.md").read_text()
+    return re.search(r"^### Ascend install.*?(?=^## )", readme, re.S | re.M).group(0)
+
+
+def route_python() -> dict[str, str]:
+    """The Ascend route's Python as its two descriptions state it: environment.yml's `python=X.Y` and the README's
+    venv step (`pythonX.Y -m venv`)."""
+    env = re.findall(r"^\s*-\s*python\s*=\s*(3\.\d+)\s*$", (REPO / "environment.yml").read_text(), re.M)
+    venv = re.findall(r"\bpython(3\.\d+) -m venv\b", ascend_section())
+    assert len(env) == 1 and len(venv) == 1, (env, venv)
+    return {"environment.yml": env[0], "README": venv[0]}
+
+
+def route_conflicts(extra: list[str], arch: str, steps=ROUTE_STEPS, python: str = ic.ASCEND_PYTHON) -> list[str]:
     pins, problems = route_pins(extra, arch, steps)
     outside = {pins[name].index for name in steps[arch] if name in pins}   # what the route's own steps provide
     return problems + ic.check(pins, arch, python, outside=outside)
@@ -150,7 +170,57 @@ def test_ascend_route_full_resolve_is_consistent(arch):
         name = _name(requirement)
         assert dists[name].version == ROUTE_STEPS[arch].get(name, _exact(requirement)), name
     assert set(project()["dependencies"]) <= set(header["requirements"])
-    assert ic.check(dists, arch, closed=True) == []
+    assert header["python"] == ic.ASCEND_PYTHON, "the route's resolve is of another Python: re-record it"
+    assert ic.check(dists, arch, header["python"], closed=True) == []
+
+
+@pytest.mark.parametrize("arch", ic.ARCHES)
+def test_ascend_resolve_is_of_its_own_architecture(arch):
+    """Evaluated with arch's markers, every distribution of the recorded resolve is required by something. pip takes
+    markers from the machine it runs on (--platform only changes wheel tags), so an aarch64 resolve recorded on an
+    x86_64 host holds what torch asks for on x86_64 only (nvidia-*-cu12, triton)."""
+    header, dists = closure("ascend", arch)
+    assert ic.unreached(header, dists, arch, header["python"]) == []
+
+
+# --- the route's Python has a wheel of every pin ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ic.ARCHES)
+def test_the_routes_python_has_a_wheel_of_every_pin(arch):
+    """The Python that environment.yml and the README's venv step name must have a wheel of every distribution the
+    route pins (the extra, the steps outside PyPI, TRL), by the CPython tags recorded for each (python_tags)."""
+    pins, problems = route_pins(PROPOSED_ASCEND, arch)
+    assert problems == []
+    pinned = {_name(r) for r in PROPOSED_ASCEND} | set(ROUTE_STEPS[arch]) \
+        | {_name(r) for r in project()["dependencies"] if _exact(r)}
+    missing = []
+    for where, python in route_python().items():
+        for name in sorted(pinned):
+            dist = pins[name]
+            if dist.requires_python and not SpecifierSet(dist.requires_python).contains(f"{python}.0"):
+                missing.append(f"{where} Python {python}: {dist.label} requires Python {dist.requires_python}")
+            missing += [f"{where} Python {python}: {p}" for p in ic.wheel_tag_problems(dist, python, require=True)]
+    assert missing == []
+
+
+def test_the_routes_python_is_the_recorded_one():
+    """environment.yml and the README state one Python, the one the route's resolves were recorded for."""
+    stated = route_python()
+    assert set(stated.values()) == {ic.ASCEND_PYTHON}, stated
+    for arch in ic.ARCHES:
+        assert closure("ascend", arch)[0]["python"] == ic.ASCEND_PYTHON
+
+
+def test_x86_64_resolve_puts_nvidia_triton_beside_triton_ascend():
+    """Why the route removes `triton` and reinstalls triton-ascend on x86_64 (README step; workbench env checks it):
+    vLLM's xgrammar asks for NVIDIA's triton on x86_64, and both distributions write site-packages/triton/."""
+    _, x86 = closure("ascend", "x86_64")
+    assert {"triton", "triton-ascend"} <= set(x86)
+    askers = [d.name for d in x86.values() for r in d.requires_dist or [] if _name(r) == "triton"
+              and Requirement(r).marker.evaluate(ic.environment("x86_64", ic.ASCEND_PYTHON))]
+    assert askers == ["xgrammar"]
+    _, arm = closure("ascend", "aarch64")
+    assert "triton" not in arm and "triton-ascend" in arm
 
 
 # --- (c) the cuda extra ------------------------------------------------------------------------------------------------
@@ -164,6 +234,45 @@ def test_cuda_extra_window_ends_have_no_conflict(version):
     header, dists = closure(route, "x86_64")
     assert dists["vllm"].version == version and dists["trl"].version == "1.16.0"
     assert ic.check(dists, "x86_64", closed=True) == []
+
+
+def trl_vllm_window() -> tuple[str, str]:
+    """The vLLM range the installed TRL supports, read from its own check (trl/import_utils.py warns outside it)."""
+    source = (Path(importlib.util.find_spec("trl").origin).parent / "import_utils.py").read_text()
+    found = re.search(r'Version\("([^"]+)"\)\s*<=\s*_vllm_base_version\s*<=\s*Version\("([^"]+)"\)', source)
+    assert found, "TRL's vLLM window check moved out of trl/import_utils.py: read the window from TRL again"
+    return found.group(1), found.group(2)
+
+
+def test_cuda_extra_stays_inside_trls_vllm_window():
+    """TRL 1.16 warns for any vLLM above its supported maximum: the cuda extra must not let pip pick one."""
+    low, high = trl_vllm_window()
+    (vllm,) = [Requirement(r) for r in project()["optional-dependencies"]["cuda"] if _name(r) == "vllm"]
+    top = Version(high)
+    above = [f"{top.major}.{top.minor}.{top.micro + 1}", f"{top.major}.{top.minor}.{top.micro + 1}rc1",
+             f"{top.major}.{top.minor + 1}.0"]
+    allowed = [v for v in above if vllm.specifier.contains(v, prereleases=True)]
+    trl = importlib.metadata.version("trl")
+    assert allowed == [], f"the cuda extra's {vllm} allows vLLM {allowed}, above TRL {trl}'s supported {high}"
+    assert vllm.specifier.contains(low) and vllm.specifier.contains(high)
+    assert CUDA_ENDS == (low, high)                                    # the recorded resolves are the window's ends
+    (trl_extra,) = [Requirement(r) for r in importlib.metadata.requires("trl") if _name(r) == "vllm"]
+    assert all(trl_extra.specifier.contains(v) for v in (low, high)) and not any(
+        trl_extra.specifier.contains(v, prereleases=True) for v in above)   # TRL's own trl[vllm] says the same
+
+
+def test_cuda_extra_states_the_driver_its_wheels_need():
+    """Both ends of the window take PyPI's CUDA 13 torch (cuda-toolkit 13.0.x), which needs an NVIDIA driver of the
+    R580 branch or newer: pyproject's comment on the extra says so."""
+    majors = set()
+    for version in CUDA_ENDS:
+        _, dists = closure(f"cuda-vllm{version}", "x86_64")
+        (toolkit,) = [Requirement(r) for r in dists["torch"].requires_dist if _name(r) == "cuda-toolkit"]
+        majors |= {Version(s.version).major for s in toolkit.specifier}
+    assert majors == {13}
+    text = (REPO / "pyproject.toml").read_text()
+    comment = re.search(r"((?:^#.*\n)+)cuda = \[", text, re.M).group(1)
+    assert "CUDA 13" in comment and "R580" in comment, comment
 
 
 def test_cuda_window_ends_are_the_extras_and_trls():
@@ -234,14 +343,33 @@ def test_checker_availability_and_unpinned_exact_pins():
     huawei = ic.Dist("h", "1", arch="any", kind="wheel", index="huawei", requires_dist=[],
                      extra={"python_tags": ["cp39", "cp310"]})
     assert ic.check({"w": wheel_x86, "s": broken, "o": other, "h": huawei}, "aarch64") == [
-        "h 1 has wheels for cp39, cp310 only; target 3.11",
+        "h 1 has no wheel recorded for cp311 (recorded: cp39, cp310); target 3.11",
         "no z satisfies all of: o 1 requires z>=2; w 1 requires z==1",
         "o 1 requires Python >=3.12; target 3.11",
         "s 1 is sdist-only on PyPI and pip cannot build it: boom",
         "w 1 has no wheel for aarch64 (recorded: x86_64)",
     ]
     assert ic.check({"h": huawei}, "aarch64", outside=set()) == [
-        "h 1 has wheels for cp39, cp310 only; target 3.11", "h 1 is not on PyPI (from huawei)"]
+        "h 1 has no wheel recorded for cp311 (recorded: cp39, cp310); target 3.11", "h 1 is not on PyPI (from huawei)"]
+    assert ic.wheel_tag_problems(huawei, "3.10") == []
+    untagged = ic.Dist("u", "1", arch="x86_64", kind="wheel", index="pypi", requires_dist=[])
+    assert ic.wheel_tag_problems(untagged, "3.12") == []
+    assert ic.wheel_tag_problems(untagged, "3.12", require=True) == [
+        "u 1: no wheel tags recorded (python_tags); cannot tell whether Python 3.12 has a wheel"]
+    assert ic.wheel_tag_problems(_dist("pure", "1"), "3.12", require=True) == []   # py3-none-any
+
+
+def test_checker_reachability_uses_the_target_machines_markers():
+    """A resolve is checked with its own architecture's markers: what only x86_64 asks for is foreign on aarch64."""
+    top = _dist("top", "1", ["gpu==1; platform_machine == 'x86_64'", "both[x]>=1"])
+    both = _dist("both", "1", ["extra-dep==1; extra == 'x'", "old==1; python_version < '3.12'"])
+    dists = {d.name: d for d in (top, both, _dist("gpu", "1"), _dist("extra-dep", "1"), _dist("old", "1"))}
+    header = {"requirements": ["top==1"]}
+    assert ic.unreached(header, dists, "x86_64", "3.11") == []
+    assert ic.unreached(header, dists, "aarch64", "3.11") == [
+        "gpu 1 is in the aarch64 resolve, but nothing requires it on aarch64 (Python 3.11)"]
+    assert ic.unreached(header, dists, "x86_64", "3.12") == [
+        "old 1 is in the x86_64 resolve, but nothing requires it on x86_64 (Python 3.12)"]
 
 
 def test_recording_script_records_this_route():

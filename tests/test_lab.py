@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import chromium, free_port, workbench_command
+from conftest import KEYED, chromium, free_port, workbench_command
 
 MAX_STEPS = 40
 
@@ -68,7 +68,7 @@ def _notebook(root: Path, runs: Path, server_url: str) -> Path:
     from papermill.iorw import load_notebook_node
 
     nb = load_notebook_node(str(paths.notebooks_dir() / "04_full_grpo.ipynb"))  # papermill's loader, as papermill
-    overrides = ["server.mode=attach", f"server.url={server_url}", f"trainer.max_steps={MAX_STEPS}", "trainer.save_steps=100",
+    overrides = ["server.mode=attach", f"server.url={server_url}", *KEYED, f"trainer.max_steps={MAX_STEPS}", "trainer.save_steps=100",
                  "trainer.logging_steps=1", f"monitor.runs_dir={runs}", "monitor.canary_every=0"]
     nb = parameterize_notebook(nb, {"recipe": "cpu-tiny", "overrides": overrides, "refresh_s": 1.0})
     path = root / "04_full_grpo.ipynb"

@@ -180,15 +180,20 @@ class _FakeNvml:
     def nvmlDeviceGetTemperature(self, h, kind):
         return [40, 71][h]
 
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-{h}"
 
-def test_nvidia_probe_maps_roles_and_visible_devices(monkeypatch):
+
+def test_nvidia_probe_maps_roles_to_physical_gpus(monkeypatch):
+    """Recipe ids are nvidia-smi's GPU numbers (NVML's), whatever the sampling process's CUDA_VISIBLE_DEVICES says
+    (tests/test_probes.py: the 8-GPU case)."""
     r = recipe.load("cpu-tiny", {"devices.platform": "cuda", "devices.server": [0], "devices.trainer": [1]})
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")  # logical 0 is physical 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # the trainer process's own cards
     samples = nvidia.NvidiaProbe(device_roles(r), nvml=_FakeNvml()).sample()
     assert [(s["device"], s["role"], s["util_pct"], s["mem_used_mb"], s["power_w"], s["temp_c"]) for s in samples] == [
-        ("cuda:0", "server", 88.0, 61440.0, 350.5, 71.0), ("cuda:1", "trainer", 15.0, 2048.0, 100.0, 40.0)]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    with pytest.raises(WorkbenchError, match="CUDA_VISIBLE_DEVICES"):
+        ("gpu:0", "server", 15.0, 2048.0, 100.0, 40.0), ("gpu:1", "trainer", 88.0, 61440.0, 350.5, 71.0)]
+    r = recipe.load("cpu-tiny", {"devices.platform": "cuda", "devices.server": [0], "devices.trainer": [2]})
+    with pytest.raises(WorkbenchError, match=r"GPU 2, but NVML sees 2"):
         nvidia.NvidiaProbe(device_roles(r), nvml=_FakeNvml())
 
 

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import KEYED
 from workbench import paths
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,7 +92,7 @@ def test_evaluation_notebook_runs_under_papermill(tmp_path, tiny_server):
     import papermill
 
     out = tmp_path / "05_evaluation.ipynb"
-    overrides = ["server.mode=attach", f"server.url={tiny_server.url}", "eval.num_samples=32", "eval.repeats=2"]
+    overrides = ["server.mode=attach", f"server.url={tiny_server.url}", *KEYED, "eval.num_samples=32", "eval.repeats=2"]
     papermill.execute_notebook(str(NOTEBOOK_DIR / "05_evaluation.ipynb"), str(out), kernel_name=kernel(),
                                parameters={"overrides": overrides, "run_dir": str(tmp_path / "run")},
                                cwd=str(tmp_path), progress_bar=False)
@@ -139,7 +140,7 @@ def test_serving_notebook_attached_to_a_running_server(tmp_path, tiny_server):
     import papermill
 
     out = tmp_path / "02.ipynb"
-    overrides = ["server.mode=attach", f"server.url={tiny_server.url}"]
+    overrides = ["server.mode=attach", f"server.url={tiny_server.url}", *KEYED]
     papermill.execute_notebook(str(NOTEBOOK_DIR / "02_serving.ipynb"), str(out), kernel_name=kernel(),
                                parameters={"overrides": overrides, "concurrencies": [1, 8], "num_requests": 16,
                                            "run_dir": str(tmp_path / "run")}, cwd=str(tmp_path), progress_bar=False)

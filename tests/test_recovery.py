@@ -23,7 +23,7 @@ class _Client:
         self.connects = 0
 
         class Sync:
-            def connect(sync, client, device):
+            def reconnect(sync, client, device):  # to the restarted server (a new group port where it has one)
                 client.connects += 1
         self.weight_sync = Sync()
 

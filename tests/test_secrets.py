@@ -91,3 +91,17 @@ def test_report_and_environment_files_hold_no_secret(tmp_path, monkeypatch, hf_t
     assert "HTTPError: 401 for token " + REDACTED in page  # the rest of the message stays readable
     for path in (run.recipe, run.environment, run.env_check, run.report):  # what the workbench wrote
         assert HF not in path.read_text() and RECIPE_SECRET not in path.read_text(), path
+
+
+def test_the_servers_key_reaches_no_file_of_a_keyed_training(smoke_run):
+    """The smoke run trained against the session's keyed server (server.api_key_env): the key's name is in its
+    recipe, its value in none of the run's files (logs, metrics, events, report inputs, the server log)."""
+    import os
+
+    from conftest import SERVER_KEY_ENV
+
+    run, _ = smoke_run
+    key = os.environ[SERVER_KEY_ENV].encode()
+    assert f"api_key_env: {SERVER_KEY_ENV}" in run.recipe.read_text()
+    leaked = [p for p in run.path.rglob("*") if p.is_file() and p.stat().st_size < 50_000_000 and key in p.read_bytes()]
+    assert not leaked, leaked

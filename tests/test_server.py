@@ -14,7 +14,7 @@ import psutil
 import pytest
 import requests
 
-from conftest import free_port
+from conftest import SERVER_KEY_ENV, free_port
 from workbench import recipe
 from workbench.errors import WorkbenchError
 from workbench.platform import compat
@@ -27,8 +27,12 @@ def test_server_answers_chat_and_serves_the_recipe_name(tiny_server, server_reci
     assert body["model"] == "tiny-policy"
     text = body["choices"][0]["message"]["content"]
     assert "<answer>" in text  # the tiny model answers in the task's format
-    models = requests.get(f"{tiny_server.url}/v1/models", timeout=10).json()["data"]
+    # the session's server takes a key (server.api_key_env): without it the OpenAI routes answer 401
+    assert requests.get(f"{tiny_server.url}/v1/models", timeout=10).status_code == 401
+    key = {"Authorization": f"Bearer {os.environ[SERVER_KEY_ENV]}"}
+    models = requests.get(f"{tiny_server.url}/v1/models", headers=key, timeout=10).json()["data"]
     assert [m["id"] for m in models] == ["tiny-policy"] and models[0]["max_model_len"] == 256
+    assert os.environ[SERVER_KEY_ENV] not in tiny_server.log_path.read_text()  # never in the server's log
     assert tiny_server.log_path.exists() and "--served-model-name tiny-policy" in tiny_server.log_path.read_text()
     assert tiny_server.startup_seconds and tiny_server.startup_seconds < server_recipe.server.startup_timeout_s
     # the CPU device split: every server process pinned to the server role's cores (devices.server)
@@ -132,7 +136,7 @@ def test_port_in_use_names_the_process(server_recipe, tiny_model_dir, tmp_path):
 
 
 def test_network_address_without_api_key_is_refused(server_recipe, tiny_model_dir, tmp_path, monkeypatch):
-    rr = recipe.resolve(recipe.load(server_recipe, {"server.host": "0.0.0.0"}))
+    rr = recipe.resolve(recipe.load(server_recipe, {"server.host": "0.0.0.0", "server.api_key_env": None}))
     with pytest.raises(WorkbenchError, match=r"server.host=0.0.0.0 exposes .*no API key.*api_key_env"):
         VLLMServer(rr, str(tiny_model_dir), tmp_path, quiet=True).start()
     monkeypatch.setenv("WB_TEST_KEY", "s3cret")  # before resolving: the key is read from the variable then

@@ -148,10 +148,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         r = recipe.load(str(run.recipe))
     else:
         r = recipe.load(args.recipe or "cpu-tiny", args.overrides)
-        run = RunDir.at(args.run_dir, r) if args.run_dir else RunDir.create(r, "train")
-    from workbench.training.train import train  # late: a bad recipe is refused before torch and TRL load
+        run = None
+    rr = recipe.resolve(r)
+    from workbench.training.config import preflight  # late: a bad recipe is refused before torch and TRL load
+    from workbench.training.train import train
 
-    train(recipe.resolve(r), run.train, resume=bool(args.resume))
+    preflight(rr)  # devices, nodes, strategy, key, the GRPOConfig, data, rewards: before the run directory exists
+    if run is None:
+        run = RunDir.at(args.run_dir, r) if args.run_dir else RunDir.create(r, "train")
+    train(rr, run.train, resume=bool(args.resume), checked=True)
     print(f"run directory: {run.path}")
     return 0
 
@@ -223,6 +228,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if not sep:
             label, path = path or label, label
         models[label] = path
+    evaluate.check_inputs(rr, models)  # refused before the run directory is written
     stage = RunDir.create(rr.recipe, "eval").eval
     result = evaluate.evaluate(rr, models or None, stage=stage)
     if len(result.summaries) > 1:  # what notebook 05 shows: fixed, broken and the breakdowns (eval/analysis.json)

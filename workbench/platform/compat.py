@@ -69,7 +69,7 @@ def hccl_backend_name() -> str:
 
 def in_trl_window(vllm: str) -> bool:
     window = matrix()["trl_vllm_window"]
-    return Version(window["min"]) <= Version(Version(vllm).base_version) < Version(window["max_exclusive"])
+    return Version(window["min"]) <= Version(Version(vllm).base_version) <= Version(window["max"])
 
 
 if __name__ == "__main__":

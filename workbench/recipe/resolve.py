@@ -11,6 +11,7 @@ variable `server.api_key_env` names and kept out of `repr` and `describe()`.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -185,7 +186,30 @@ def _roles(recipe: Recipe, platform: str, sync: str) -> tuple[Role, Role]:
     elif platform in VISIBLE_DEVICES:
         server_env[VISIBLE_DEVICES[platform]] = ",".join(str(x) for x in d.server)
         trainer_env[VISIBLE_DEVICES[platform]] = ",".join(str(x) for x in d.trainer)
+        if platform == "cuda":  # ids as nvidia-smi and NVML number GPUs (PCI bus order), not CUDA's fastest-first
+            for env in (server_env, trainer_env):  # a recipe's own value wins (the device probe then warns)
+                env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     return Role("server", tuple(d.server), server_env), Role("trainer", tuple(d.trainer), trainer_env)
+
+
+FULL_PRECISION = ("auto", "float32")
+
+
+def _for_platform(recipe: Recipe, platform: str) -> Recipe:
+    """The recipe as this platform runs it: on an Ascend card the tiny model (built in float32; the CPU recipes
+    say float32) is served and trained in bfloat16, because vllm-ascend's attention kernels take 16-bit inputs
+    only; trainer and server keep one dtype so the canary's 16-bit thresholds apply to both. `workbench recipe show`
+    and `workbench plan` print the dtype that runs."""
+    if platform != "npu" or recipe.model.path != "tiny":
+        return recipe
+    if recipe.server.dtype not in FULL_PRECISION and recipe.model.dtype not in FULL_PRECISION:
+        return recipe
+    recipe = copy.deepcopy(recipe)
+    if recipe.server.dtype in FULL_PRECISION:
+        recipe.server.dtype = "bfloat16"
+    if recipe.model.dtype in FULL_PRECISION:
+        recipe.model.dtype = "bfloat16"
+    return recipe
 
 
 def resolve(recipe: Recipe, platform: str | None = None, versions: dict | None = None) -> Resolved:
@@ -196,6 +220,7 @@ def resolve(recipe: Recipe, platform: str | None = None, versions: dict | None =
             platform = recipe.devices.platform
         else:
             platform = detect_platform()
+    recipe = _for_platform(recipe, platform)
     key = None
     if recipe.server.api_key_env:
         key = os.environ.get(recipe.server.api_key_env)

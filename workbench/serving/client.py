@@ -25,7 +25,13 @@ def served_models(rr: Resolved, url: str | None = None, timeout: float = 10.0) -
         raise WorkbenchError(f"no server answers at {url} ({exc.__class__.__name__})",
                              "start it, or fix server.url / server.port") from None
     if response.status_code == 401:
-        raise WorkbenchError(f"the server at {url} wants an API key", "set server.api_key_env to the variable holding it")
+        key_env = rr.recipe.server.api_key_env
+        if key_env:
+            raise WorkbenchError(f"the server at {url} refused the key in ${key_env} (server.api_key_env): HTTP 401",
+                                 f"set {key_env} to the key the server was started with (its --api-key / "
+                                 "VLLM_API_KEY)")
+        raise WorkbenchError(f"the server at {url} wants an API key (HTTP 401) and server.api_key_env is not set",
+                             "set server.api_key_env to the name of the variable holding the server's key")
     try:
         data = response.json()["data"]
         assert isinstance(data, list) and all("id" in m for m in data)
@@ -33,6 +39,18 @@ def served_models(rr: Resolved, url: str | None = None, timeout: float = 10.0) -
         raise WorkbenchError(f"{url} is not a vLLM server (GET /v1/models answered HTTP {response.status_code} "
                              "without a model list)", "point server.url at a vLLM OpenAI-compatible server") from None
     return data
+
+
+def check_key(rr: Resolved) -> None:
+    """The key the recipe names is there: server.api_key_env set means its variable holds a key (a managed server
+    would start without one, an attached one would answer 401 mid-start). An attached server is asked too, so a
+    wrong key is one line here, not an error after the model is built."""
+    key_env = rr.recipe.server.api_key_env
+    if key_env and not rr.api_key:
+        raise WorkbenchError(f"server.api_key_env names ${key_env}, which is not set (or empty) in this environment",
+                             f"export {key_env}=<the server's key> before starting, or drop server.api_key_env")
+    if rr.recipe.server.attached:
+        served_models(rr)  # a missing or wrong key: one line naming server.api_key_env
 
 
 def served_entry(rr: Resolved, url: str | None = None) -> dict:

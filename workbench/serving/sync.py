@@ -40,6 +40,7 @@ from trl.generation.vllm_client import VLLMClient
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
+from workbench.serving.launch import is_loopback
 
 logger = logging.getLogger("workbench.serving.sync")
 
@@ -77,6 +78,10 @@ class WeightSync:
 
     def close(self, client: "SyncingVLLMClient") -> None:
         pass
+
+    def reconnect(self, client: "SyncingVLLMClient", device) -> None:
+        """Connect to a restarted server (the recovery calls this; the old server is gone)."""
+        self.connect(client, device)
 
     def push(self, client: "SyncingVLLMClient", metadata: Metadata, named_params: NamedParams) -> None:
         started = time.perf_counter()
@@ -271,6 +276,12 @@ class NcclSync(WeightSync):
     def close(self, client) -> None:
         VLLMClient.close_communicator(client)
 
+    def reconnect(self, client, device) -> None:
+        # the dead server's group may still hold the group port (its store, a socket in TIME_WAIT): a new port
+        self.close(client)
+        client.group_port = unused_port(client.group_port)
+        self.connect(client, device)
+
 
 class HcclSync(WeightSync):
     """vllm-ascend's HCCL weight-transfer engine, driven like TRL drives NCCL.
@@ -370,7 +381,20 @@ class HcclSync(WeightSync):
             logger.warning("closing the failed weight update failed too: %s", exc)
 
     def close(self, client) -> None:
+        destroy = getattr(self.group, "destroy", None)
+        if callable(destroy):
+            try:
+                destroy()
+            except Exception as exc:  # the peer is gone; what matters is that this side lets go
+                logger.warning("closing the weight-transfer group: %s", exc)
         self.group = None
+
+    def reconnect(self, client, device) -> None:
+        # the trainer hosts the group's store at group_port: the dead server's group may still hold it (the old
+        # communicator, a socket in TIME_WAIT), so the new group is made on a port that is free now
+        self.close(client)
+        self.group_port = unused_port(self.group_port)
+        self.connect(client, device)
 
 
 def _in_background(fn, *args, **kwargs) -> Future:
@@ -455,6 +479,41 @@ class _Announced:
                 yield name, torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device or "cpu")
 
 
+def unused_port(after: int) -> int:
+    """The first port above `after` nothing on this machine listens on (a group port for a new connection)."""
+    import socket
+
+    for port in range(after + 1, min(after + 200, 65535)):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+            try:
+                s.bind(("", port))
+                return port
+            except OSError:
+                continue
+    raise WorkbenchError(f"no free port among the 200 after {after} for the weight-transfer group",
+                         "set trainer.vllm_group_port to a free range")
+
+
+def trainer_address(rr: Resolved) -> str:
+    """The address the server's workers reach the trainer's main rank at (it hosts the weight-transfer group):
+    distributed.main_address when the recipe names a network address, else the address of this machine's interface
+    that routes to the server (asked of the kernel, not guessed from the first interface)."""
+    from urllib.parse import urlparse
+
+    main = rr.recipe.distributed.main_address
+    if main and not is_loopback(main):
+        return main
+    host = urlparse(rr.server_url).hostname or "127.0.0.1"
+    if is_loopback(host):
+        return "127.0.0.1"
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, urlparse(rr.server_url).port or 80))  # no packet is sent: the kernel picks the route
+        return s.getsockname()[0]
+
+
 def _local_ip() -> str:
     from vllm.utils.network_utils import get_ip
 
@@ -474,11 +533,14 @@ def make(rr: Resolved) -> WeightSync:
     if method == "reload":
         return ReloadSync(sync_dir)
     if method == "hccl":
-        return HcclSync(group_port)
+        return HcclSync(group_port, master_address=trainer_address(rr))
     return ADAPTERS[method]()
 
 
 def _json_or_empty(response) -> dict:
+    if response.status_code == 401:
+        raise WorkbenchError(f"{response.request.method} {response.url} answered HTTP 401 (unauthorised)",
+                             "the server wants the key named by server.api_key_env: set that variable to its key")
     if response.status_code != 200:
         raise WorkbenchError(f"{response.request.method} {response.url} answered HTTP {response.status_code}: "
                              f"{response.text[:300]}", "read the server log for the cause")
@@ -541,11 +603,16 @@ class SyncingVLLMClient(VLLMClient):
 
     # vLLM's dev endpoints answer with JSON or, in some releases, an empty 200 (/reset_prefix_cache before 0.26,
     # /collective_rpc when no worker returns anything): both mean success; TRL's own helpers parse every body.
+    # The key goes on each request too: TRL's __init__ asks /v1/models (through _get) before it returns, that is
+    # before the session's headers can be set, and a keyed server answers that 401.
     def _get(self, url: str, **kwargs) -> dict:
-        return _json_or_empty(self.session.get(url, **kwargs))
+        return _json_or_empty(self.session.get(url, **self._authorised(kwargs)))
 
     def _post(self, url: str, **kwargs) -> dict:
-        return _json_or_empty(self.session.post(url, **kwargs))
+        return _json_or_empty(self.session.post(url, **self._authorised(kwargs)))
+
+    def _authorised(self, kwargs: dict) -> dict:
+        return {**kwargs, "headers": {**self._auth, **(kwargs.get("headers") or {})}}
 
     def init_communicator(self, device: torch.device | str | int = 0) -> None:
         self.device = device

@@ -16,8 +16,9 @@ from typing import Any
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
 from workbench.recipe.load import RecipeProblems
-from workbench.serving import launch
+from workbench.serving import client, launch
 from workbench.tasks import dataset, rewardspec
+from workbench.training import launch as placement
 
 
 @contextlib.contextmanager
@@ -116,6 +117,12 @@ def preflight(rr: Resolved) -> None:
                 rewardspec.probe(spec, rows)
             except WorkbenchError as exc:
                 problems.append(exc)
+    problems += placement.placement_problems(rr)
+    if rr.recipe.server.over_http and rr.recipe.distributed.node_rank == 0:
+        try:  # the key the recipe names: set, and accepted by an attached server
+            client.check_key(rr)
+        except WorkbenchError as exc:
+            problems.append(exc)
     sync_dir = rr.recipe.server.sync_dir
     if rr.weight_sync == "reload" and sync_dir and Path(sync_dir).is_dir():
         from workbench.serving.sync import ReloadSync  # lazy: torch

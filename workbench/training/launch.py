@@ -4,14 +4,24 @@
     proc = launch.start_training(run)                  # `workbench train --run-dir RUN` (notebook 04)
     cfg = launch.accelerate_config(rr)                 # the accelerate config the recipe asks for, as a dict
     cmd = launch.rank_command(rr, run.train)           # accelerate launch --config_file RUN/train/accelerate.yaml ...
+    launch.trainer_placement(rr)                       # 'accelerate' | 'process' | 'here': where the trainer runs
 
 More than one trainer process (`distributed.processes`, default one per devices.trainer card) goes through
 accelerate, the field's engine for it: DDP, DeepSpeed ZeRO or FSDP, NPU / GPU / CPU, one node or several. The
 config is generated from the recipe and written into the run directory, so the exact launch can be re-run by hand.
 The vLLM server is started once, by the process that runs `accelerate launch`, never by a rank.
+
+Placement: device ids in the recipe are physical. accelerate's launcher *replaces* the visible-devices variable
+(CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES) with the config's gpu_ids (accelerate/utils/launch.py,
+prepare_multi_gpu_env and prepare_deepspeed_cmd_env), so gpu_ids are the trainer role's physical cards, never
+0..n-1 (which would be the server's). A single trainer process gets the same variables by being started as a child
+with the trainer role's environment: the variables must be set before the device runtime initialises, which in
+the parent (which already asked torch about the platform) is too late. tests/test_placement.py runs accelerate's
+own launch code on every recipe and checks each rank's cards.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -19,6 +29,7 @@ import sys
 
 import yaml
 
+from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
 from workbench.rundir import RunDir, TrainDir, write_atomic
 
@@ -70,8 +81,9 @@ def accelerate_config(rr: Resolved) -> dict:
         "debug": False,
     }
     if rr.platform != "cpu":
-        # the trainer role's visible-devices variable already maps its cards to 0..n-1
-        config["gpu_ids"] = ",".join(str(i) for i in range(rr.trainer_processes))
+        # accelerate sets the ranks' visible-devices variable to exactly this list (it replaces the inherited one):
+        # the trainer role's physical cards; rank i of a node then runs on the i-th of them
+        config["gpu_ids"] = ",".join(str(i) for i in rr.trainer.devices)
     if d.strategy == "deepspeed":
         config["distributed_type"] = "DEEPSPEED"
         config["deepspeed_config"] = {
@@ -83,6 +95,10 @@ def accelerate_config(rr: Resolved) -> dict:
             "zero3_init_flag": d.zero_stage == 3,
             "zero3_save_16bit_model": d.zero_stage == 3,
         }
+        if d.nodes > 1:
+            # accelerate's default multi-node DeepSpeed launcher is pdsh over a hostfile (ssh into every node);
+            # the workbench starts each node's ranks itself, as for DDP and FSDP: torch.distributed.run per node
+            config["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
     elif d.strategy == "fsdp":
         config["distributed_type"] = "FSDP"
         config["fsdp_config"] = {
@@ -119,9 +135,51 @@ def rank_command(rr: Resolved, train_dir: TrainDir) -> list[str]:
                   "--train-dir", str(train_dir.path)]
 
 
+def placement_problems(rr: Resolved) -> list[WorkbenchError]:
+    """What is wrong with the recipe's devices, nodes and strategy, found before any server starts or any run
+    directory is written; one error each."""
+    # (repeated or negative ids and a node_rank outside 0..nodes-1 are refused by the recipe loader already)
+    d, devices, problems = rr.recipe.distributed, rr.recipe.devices, []
+    overlap = sorted(set(devices.server) & set(devices.trainer))
+    if rr.platform != "cpu" and rr.recipe.server.managed and d.node_rank == 0 and overlap:
+        problems.append(WorkbenchError(
+            f"devices {overlap} are given to both server and trainer on this node",
+            "give devices.server and devices.trainer disjoint device ids (one card for both: server.mode=colocate)"))
+    if d.strategy != "ddp" and rr.trainer_processes * d.nodes == 1:
+        problems.append(WorkbenchError(
+            f"distributed.strategy={d.strategy} with one trainer process: accelerate is not used, so the strategy "
+            "would do nothing", "set distributed.processes (one per trainer card) or distributed.nodes above 1, "
+                                "or distributed.strategy=ddp"))
+    if d.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        problems.append(WorkbenchError("distributed.strategy=deepspeed but DeepSpeed is not installed",
+                                       "pip install 'deepspeed==0.19.8' (`make install` does), or choose ddp / fsdp"))
+    return problems
+
+
+def trainer_processes(rr: Resolved, train_dir: TrainDir, server_pid: int | None = None) -> tuple[list[str], dict]:
+    """The command and environment `workbench train` starts this node's trainer with: `accelerate launch` of its
+    ranks (the config written into the run directory), or the single trainer process itself; both with the trainer
+    role's environment."""
+    env = rank_environment(rr, server_pid)
+    if trainer_placement(rr) == "accelerate":
+        write_accelerate_config(rr, train_dir)
+        return rank_command(rr, train_dir), env
+    return [sys.executable, "-m", "workbench.training.rank", "--train-dir", str(train_dir.path)], env
+
+
+def trainer_placement(rr: Resolved) -> str:
+    """Where `workbench train` runs the trainer: 'accelerate' (several ranks, or several nodes), 'process' (one
+    process started with the trainer role's environment: an accelerator's cards, or variables from devices.env
+    that this process lacks) or 'here' (in this process: the CPU, nothing to set)."""
+    if rr.trainer_processes > 1 or rr.recipe.distributed.nodes > 1:
+        return "accelerate"
+    missing = {k: v for k, v in rr.trainer.env.items() if os.environ.get(k) != v}
+    return "process" if (rr.platform != "cpu" or missing) else "here"
+
+
 def rank_environment(rr: Resolved, server_pid: int | None = None) -> dict[str, str]:
-    """Every rank's environment: this one's, the trainer role's variables (devices, HCCL timeouts, ...) and where
-    the already running server is."""
+    """Every trainer process's environment: this one's, the trainer role's variables (visible devices, HCCL
+    timeouts, ...) and where the already running server is."""
     env = {**os.environ, **rr.trainer.env, "PYTHONUNBUFFERED": "1"}
     if server_pid:
         env["WORKBENCH_SERVER_PID"] = str(server_pid)

@@ -3,19 +3,24 @@
     with monitor.Monitor(rr, train_dir, server_pid=srv.process.pid, server_url=srv.url):
         trainer.train()
 
-One daemon thread in the training process (rank 0 only). The first sample is taken before training starts, so a
-probe that cannot read its device fails the run at once with its cause; later failures are written as error
-lines and counted, never allowed to stop the training. The thread's own CPU time is measured
-(`overhead()`), which is how the README's overhead figure is obtained.
+One daemon thread in the training process (rank 0 only). The first sample is taken before training starts. A probe
+that cannot start (NVML or npu-smi missing or failing, an id beyond the device count: its construction or first sample
+raises) is a warning, never a dead rank: one error line in devices.jsonl, a `probe_warning` event in events.jsonl
+(the dashboard's and the report's events table shows its text) and a line on stderr, and the training goes on without
+device samples while the /metrics scraper keeps sampling. The doubts of a probe that works (`probe.warnings`: a device
+order it cannot prove) become `probe_warning` events too. Later failures are written as error lines and counted,
+never allowed to stop the training. The thread's own CPU time is measured (`overhead()`), which is how the README's
+overhead figure is obtained.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 from workbench.platform import probes
 from workbench.recipe import Recipe, Resolved
-from workbench.records import append_jsonl
+from workbench.records import append_event, append_jsonl
 from workbench.rundir import TrainDir
 from workbench.serving.scraper import Scraper
 
@@ -23,6 +28,8 @@ from workbench.serving.scraper import Scraper
 def device_roles(recipe: Recipe) -> probes.Roles:
     """Device id -> role, from the recipe's device split."""
     out = {d: "trainer" for d in recipe.devices.trainer}
+    if recipe.server.mode == "off":  # TRL generates in the trainer: devices.server runs nothing
+        return out
     out.update({d: "server" for d in recipe.devices.server})  # a colocated device counts as the server's
     return out
 
@@ -34,10 +41,17 @@ class Monitor:
         self.interval = rr.recipe.monitor.sample_interval_s
         self.devices_path = train_dir.devices
         self.rollout_path = train_dir.rollout
+        self.events_path = train_dir.events
+        self.platform = rr.platform
         self.enabled = enabled and self.interval > 0
-        self.probe = probe or (probes.for_platform(rr.platform, device_roles(rr.recipe), server_pid=server_pid,
-                                                     trainer_pid=trainer_pid)
-                               if self.enabled else None)
+        self.probe: probes.Probe | None = None
+        self._probe_failure: str | None = None  # why the probe could not start (recorded by start())
+        if self.enabled:
+            try:
+                self.probe = probe or probes.for_platform(rr.platform, device_roles(rr.recipe), server_pid=server_pid,
+                                                          trainer_pid=trainer_pid)
+            except Exception as exc:
+                self._probe_failure = _describe(exc)
         self.scraper = Scraper(server_url, rr.headers) if (server_url and self.enabled) else None
         self.samples = 0
         self.errors = 0
@@ -55,7 +69,7 @@ class Monitor:
                 result = read()
             except Exception as exc:
                 self.errors += 1
-                append_jsonl(path, {"time": time.time(), "error": f"{type(exc).__name__}: {exc}"[:300]}, fsync=False)
+                append_jsonl(path, {"time": time.time(), "error": _describe(exc)[:300]}, fsync=False)
                 continue
             for record in result if isinstance(result, list) else [result]:
                 append_jsonl(path, record, fsync=False)
@@ -71,12 +85,30 @@ class Monitor:
     def start(self) -> "Monitor":
         if not self.enabled:
             return self
-        self.probe.sample()  # raises here, before training, when the device cannot be read
+        if self.probe is not None:
+            try:
+                self.probe.sample()  # before training: an unreadable device shows now (the call primes counters)
+            except Exception as exc:
+                self.probe, self._probe_failure = None, _describe(exc)
+        self._record_probe_state()
         if self.scraper:
             self.scraper.scrape()
         self._thread = threading.Thread(target=self._loop, name="workbench-monitor", daemon=True)
         self._thread.start()
         return self
+
+    def _warn(self, message: str) -> None:
+        append_event(self.events_path, "probe_warning", message, source="devices", platform=self.platform)
+        print(f"workbench: warning: {message}", file=sys.stderr, flush=True)
+
+    def _record_probe_state(self) -> None:
+        if self._probe_failure is not None:
+            self.errors += 1
+            append_jsonl(self.devices_path, {"time": time.time(), "error": self._probe_failure[:300]}, fsync=False)
+            self._warn(f"the {self.platform} device probe could not start ({self._probe_failure[:300]}): training "
+                       "continues without device samples")
+        for doubt in getattr(self.probe, "warnings", None) or ():
+            self._warn(f"device samples: {doubt}")
 
     def stop(self) -> None:
         if self._thread is not None:
@@ -96,3 +128,7 @@ class Monitor:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

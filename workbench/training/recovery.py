@@ -92,7 +92,7 @@ class Recovery:
             self.log(f"restarting the server ({self.restarts}/{self.max_restarts})")
             try:
                 self.restart()
-                client.weight_sync.connect(client, client.device)
+                client.weight_sync.reconnect(client, client.device)
                 self.repush()
             except Exception as again:
                 self._lost(step, f"the restart after the fault during {what} failed: {type(again).__name__}: "

@@ -94,12 +94,28 @@ def _pinned_to_trainer_cores(rr: Resolved, local_rank: int | None = None):
         torch.set_num_threads(saved_threads)
 
 
+def physical_card(device, visible: str | None) -> int | str | None:
+    """The physical card a process's device is: its index into the visible-devices list the driver was given (the
+    whole machine's numbering when none was)."""
+    index = getattr(device, "index", None)
+    if index is None:
+        return None  # the CPU: the cores say where it runs
+    ids = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if not ids:
+        return index
+    entry = ids[index] if index < len(ids) else None
+    return int(entry) if entry is not None and entry.isdigit() else entry
+
+
 def _rank_record(rr: Resolved, accelerator) -> dict:
-    """What one rank really got: its process, device, visible devices and the recipe's environment variables."""
-    names = sorted(set(rr.recipe.devices.env) | {VISIBLE_DEVICES.get(rr.platform, "")} - {""})
+    """What one rank really got: its process, device and physical card, visible devices and the recipe's
+    environment variables."""
+    visible = VISIBLE_DEVICES.get(rr.platform, "")
+    names = sorted(set(rr.recipe.devices.env) | {visible} - {""})
     return {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index,
-            "pid": os.getpid(), "device": str(accelerator.device), "cores": sorted(os.sched_getaffinity(0)),
-            "env": {name: os.environ.get(name) for name in names}}
+            "pid": os.getpid(), "parent_pid": os.getppid(), "device": str(accelerator.device),
+            "card": physical_card(accelerator.device, os.environ.get(visible) if visible else None),
+            "cores": sorted(os.sched_getaffinity(0)), "env": {name: os.environ.get(name) for name in names}}
 
 
 def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: int | None = None,
@@ -239,21 +255,25 @@ def prepare_resume(rr: Resolved, train_dir: TrainDir, log=print) -> Path:
 
 def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, server=None,
                resume_from: Path | None = None) -> None:
-    """`accelerate launch` of this node's ranks against the running server; waits, and fails with the log tail."""
+    """This node's trainer processes against the running server, with the trainer role's environment: `accelerate
+    launch` of its ranks, or the single trainer as one child process; waits, and fails with the log tail."""
     # every rank reads the recipe from disk: it must be this one
-
     if not train_dir.recipe.exists():
         write_atomic(train_dir.own_recipe, recipe_text(rr.recipe))
     elif train_dir.recipe.read_text() not in (recipe_text(rr.recipe), rr.recipe.to_yaml()):
         raise WorkbenchError(f"{train_dir.recipe} is not the recipe being trained",
                              "train into a new run directory, or train the recipe that run was made with")
-    config = launch.write_accelerate_config(rr, train_dir)
-    cmd = launch.rank_command(rr, train_dir)
+    cmd, env = launch.trainer_processes(rr, train_dir, server_pid)
+    if launch.trainer_placement(rr) == "accelerate":
+        log(f"trainer: {rr.trainer_processes} process(es) on this node through accelerate "
+            f"({train_dir.accelerate_config}):\n  " + " ".join(cmd))
+    else:
+        placed = {k: env[k] for k in sorted(rr.trainer.env) if k in VISIBLE_DEVICES.values()}
+        log(f"trainer: one process with the trainer role's environment ({len(rr.trainer.env)} variable(s)"
+            + "".join(f", {k}={v}" for k, v in placed.items()) + ")")
     if resume_from is not None:
         cmd += ["--resume-from", str(resume_from)]
-    log(f"trainer: {rr.trainer_processes} process(es) on this node through accelerate ({config}):\n  {' '.join(cmd)}")
-    proc = popen(cmd, env=launch.rank_environment(rr, server_pid), stdin=subprocess.DEVNULL,
-                 preexec_fn=child_setup())
+    proc = popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=child_setup())
     try:
         while True:  # the main rank may ask for a server restart: this process owns the server
             try:
@@ -267,28 +287,28 @@ def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, s
         proc.wait(timeout=30)
         raise
     if code != 0:
-        raise WorkbenchError(f"the trainer ranks exited with status {code}",
-                             f"read the rank tracebacks above (and {train_dir.log} when started from a notebook)")
+        raise WorkbenchError(f"the trainer process(es) exited with status {code}",
+                             f"read the tracebacks above (and {train_dir.log} when started from a notebook)")
 
 
 def check_device_split(rr: Resolved) -> None:
-    """The server this command starts and the trainer ranks share one node: on an accelerator their cards must
-    differ (upstream puts the trainer on the card after the server's TP group, never on one of them)."""
-    overlap = set(rr.server.devices) & set(rr.trainer.devices)
-    if rr.platform != "cpu" and rr.recipe.server.managed and rr.recipe.distributed.node_rank == 0 and overlap:
-        raise WorkbenchError(f"devices {sorted(overlap)} are given to both server and trainer on this node",
-                             "give devices.server and devices.trainer disjoint device ids")
+    """The recipe's devices, nodes and strategy (workbench.training.launch.placement_problems): the first problem."""
+    problems = launch.placement_problems(rr)
+    if problems:
+        raise problems[0]
 
 
-def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False) -> TrainSummary | None:
+def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False, checked: bool = False
+          ) -> TrainSummary | None:
     """Start (or attach to) the server, run GRPO (one process, or this node's ranks through accelerate), save the
     final model in Hugging Face format, stop the server. `resume`: continue the training in `train_dir` from its
-    newest checkpoint (optimizer, scheduler, RNG and data position included)."""
+    newest checkpoint (optimizer, scheduler, RNG and data position included). `checked`: the caller already ran
+    the preflight (before it wrote the run directory)."""
     recipe = rr.recipe
-    several = rr.trainer_processes > 1 or recipe.distributed.nodes > 1
-    check_device_split(rr)
-
-    preflight(rr)  # the whole GRPOConfig, batch rules, data and rewards: before any model build or server start
+    own_process = launch.trainer_placement(rr) != "here"  # accelerate's ranks, or one placed child process
+    if not checked:
+        # the whole GRPOConfig, batch rules, data, rewards, devices and key: before any model build or server start
+        preflight(rr)
     model_path = tinymodel.ensure_model(rr, log=log)
     tinymodel.check_tokenizer(model_path)
     resume_from = prepare_resume(rr, train_dir, log) if resume else None
@@ -299,7 +319,7 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False) ->
         log(f"node {recipe.distributed.node_rank}: ranks done (metrics and the model are written on node 0)")
         return None
     if recipe.server.in_process:  # no server: TRL's in-process generate, or its in-process engine
-        if several:
+        if own_process:
             _run_ranks(rr, train_dir, None, log, resume_from=resume_from)
             summary = TrainSummary.load(train_dir)
         else:
@@ -316,11 +336,11 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False) ->
             write_atomic(train_dir.server_metrics_start, srv.metrics())
         except Exception:
             train_dir.server_metrics_start.unlink(missing_ok=True)
-        if several:
+        if own_process:
             _run_ranks(rr, train_dir, server_pid, log, server=srv if managed else None, resume_from=resume_from)
             summary = TrainSummary.load(train_dir)
             if summary is None:
-                raise WorkbenchError("the trainer ranks ended without a train.json", f"read {train_dir.log}")
+                raise WorkbenchError("the trainer process(es) ended without a train.json", f"read {train_dir.log}")
         else:
             summary = run_trainer(rr, train_dir, model_path, server_pid, srv.url, log=log,
                                   restart=srv.restart if managed else None, resume_from=resume_from)

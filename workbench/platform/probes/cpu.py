@@ -20,6 +20,7 @@ class CpuProbe:
 
     def __init__(self, roles: dict[int, str], server_pid: int | None = None, trainer_pid: int | None = None):
         self.roles = dict(roles)
+        self.warnings: list[str] = []
         self.root_pids = {"server": server_pid, "trainer": trainer_pid or os.getpid()}
         self._procs: dict[int, psutil.Process] = {}
         self._trees: dict[int, tuple[float, list[psutil.Process]]] = {}

@@ -1,0 +1,207 @@
+"""Where every trainer process lands, proven by the launchers' own code.
+
+For every shipped recipe and every split the schema can express (each strategy × each accelerator platform × the
+layouts below), the trainer launch `workbench train` would make is handed to accelerate's own `launch_command`
+(its `_validate_launch_command`, its multi-GPU / DeepSpeed / FSDP env preparation) with the platform faked as NPU
+or CUDA, and torch.distributed.run's own `config_from_args` reads what accelerate would start; only the final
+spawn is caught. Each rank's visible-devices variable must be the trainer role's physical cards, each rank on a
+card of its own, never one of the server's on the same node. A single trainer process (no accelerate) must be
+started with the same variables. A recipe added to workbench/recipe/recipes/ is covered without editing this file.
+No server, no training: seconds.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import typing
+from unittest import mock
+
+import pytest
+import torch.distributed.run as distributed_run
+
+from workbench import recipe
+from workbench.platform import compat
+from workbench.recipe.resolve import VISIBLE_DEVICES
+from workbench.recipe.schema import DevicesConfig, DistributedConfig
+from workbench.rundir import TrainDir
+from workbench.training import launch
+
+STRATEGIES = typing.get_args(typing.get_type_hints(DistributedConfig)["strategy"])
+ACCELERATORS = tuple(p for p in typing.get_args(typing.get_type_hints(DevicesConfig)["platform"])
+                     if p in VISIBLE_DEVICES)
+REMOTE = ["server.mode=attach", "server.url=http://10.0.0.1:8001"]  # the server on a machine of its own
+
+# name -> overrides: the splits beside the shipped recipes (each with every strategy and accelerator)
+
+
+def TP(tp: int, dp: int) -> list[str]:
+    return [f"server.tensor_parallel_size={tp}", f"server.data_parallel_size={dp}"]
+
+
+TWO_NODES = [*REMOTE, *TP(4, 2), "devices.server=[0,1,2,3,4,5,6,7]", "devices.trainer=[0,1,2,3,4,5,6,7]",
+             "distributed.nodes=2", "distributed.main_address=10.0.0.2"]
+LAYOUTS = {
+    "4+4": [*TP(4, 1), "devices.server=[0,1,2,3]", "devices.trainer=[4,5,6,7]"],
+    "1+3": [*TP(1, 1), "devices.server=[0]", "devices.trainer=[1,2,3]"],
+    "1+1": [*TP(1, 1), "devices.server=[0]", "devices.trainer=[1]"],
+    "trainer first": [*TP(4, 1), "devices.server=[4,5,6,7]", "devices.trainer=[0,1,2,3]"],
+    "interleaved": [*TP(2, 1), "devices.server=[0,2]", "devices.trainer=[1,3,5]"],
+    "2 nodes x 8, node 0": [*TWO_NODES, "distributed.node_rank=0"],
+    "2 nodes x 8, node 1": [*TWO_NODES, "distributed.node_rank=1"],
+}
+
+
+def _versions(platform: str) -> dict:
+    # an Ascend split is planned with the recommended row (no vllm-ascend here); CUDA with the installed vLLM
+    return ({"vllm": compat.recommended()["vllm"], "vllm_ascend": compat.recommended()["vllm_ascend"]}
+            if platform == "npu" else {"vllm": "0.31.0", "vllm_ascend": None})
+
+
+def _variants() -> list[tuple[str, list[str]]]:
+    cases = [(f"{name} (shipped)", name, []) for name in recipe.available()]
+    for layout, overrides in LAYOUTS.items():
+        for platform in ACCELERATORS:
+            for strategy in STRATEGIES:
+                single = "nodes=2" not in " ".join(overrides) and layout == "1+1"
+                if single and strategy != "ddp":
+                    continue  # one process: no strategy (refused up front, tested below)
+                base = "ascend-910b-8card" if platform == "npu" else "cuda-8gpu"
+                cases.append((f"{layout} {platform} {strategy}", base,
+                              [*overrides, f"devices.platform={platform}", f"distributed.strategy={strategy}",
+                               "distributed.processes=null" if not single else "distributed.processes=1"]))
+    return [pytest.param(name, overrides, id=case) for case, name, overrides in cases]
+
+
+def _resolve(name: str, overrides: list[str]):
+    r = recipe.load(name, overrides)
+    platform = r.devices.platform if r.devices.platform != "auto" else "cpu"
+    return recipe.resolve(r, platform=platform, versions=_versions(platform))
+
+
+def accelerate_ranks(rr, train_dir: TrainDir) -> tuple[dict, list[dict]]:
+    """What accelerate's launcher starts for the config `workbench train` writes: (the launch, one dict per rank)."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    import accelerate.utils.launch as accelerate_launch
+
+    cmd, env = launch.trainer_processes(rr, train_dir, server_pid=4242)
+    assert "launch" in cmd and "--config_file" in cmd, cmd
+    args = launch_command_parser().parse_args(cmd[cmd.index("--config_file"):])
+    seen: dict = {}
+
+    def spawn(run_args) -> None:  # torch.distributed.run.run: read its launch config, start nothing
+        config, _, _ = distributed_run.config_from_args(run_args)
+        seen.update(config=config, env=dict(os.environ), node_rank=int(config.rdzv_configs.get("rank", 0)),
+                    endpoint=config.rdzv_endpoint, rdzv=config.rdzv_backend)
+
+    # nothing is bound (the spawn is caught): another process on the rendezvous port must not fail the check
+    def no_ssh(*a, **k):
+        raise AssertionError(f"accelerate would start {a[0][:3] if a else k} (pdsh / ssh into the nodes)")
+
+    npu = rr.platform == "npu"
+    with mock.patch.dict(os.environ, env, clear=True), \
+            mock.patch.object(accelerate_launch, "is_npu_available", lambda *a, **k: npu), \
+            mock.patch.object(accelerate_launch, "is_port_in_use", lambda *a, **k: False), \
+            mock.patch.object(distributed_run, "run", spawn), \
+            mock.patch.object(subprocess, "Popen", no_ssh):
+        launch_command(args)
+    config = seen["config"]
+    nproc = int(config.nproc_per_node)
+    visible = seen["env"].get(VISIBLE_DEVICES.get(rr.platform, ""), "")
+    ids = [int(v) for v in visible.split(",")] if visible else []
+    ranks = [{"rank": seen["node_rank"] * nproc + local, "local_rank": local,
+              "card": ids[local] if local < len(ids) else None, "env": seen["env"]} for local in range(nproc)]
+    return {"nodes": (config.min_nodes, config.max_nodes), **seen}, ranks
+
+
+def _server_here(rr) -> bool:
+    """The server's cards are on this node: a managed server on node 0 (an attached one is another machine's)."""
+    return rr.recipe.server.managed and rr.recipe.distributed.node_rank == 0
+
+
+@pytest.mark.parametrize("name,overrides", _variants())
+def test_each_trainer_process_gets_the_trainer_roles_physical_cards(name, overrides, tmp_path):
+    rr = _resolve(name, overrides)
+    assert not launch.placement_problems(rr), [str(p) for p in launch.placement_problems(rr)]
+    train_dir = TrainDir(tmp_path / "train")
+    trainer, server = list(rr.trainer.devices), set(rr.server.devices)
+    where = launch.trainer_placement(rr)
+    if rr.platform == "cpu":
+        assert where in ("here", "process") if rr.trainer_processes * rr.recipe.distributed.nodes == 1 else True
+        if where != "accelerate":
+            return  # cores, not cards: tests/test_distributed.py checks the ranks' cores in a real run
+    variable = VISIBLE_DEVICES.get(rr.platform)
+    if where == "accelerate":
+        launched, ranks = accelerate_ranks(rr, train_dir)
+        d = rr.recipe.distributed
+        assert launched["nodes"] == (d.nodes, d.nodes)
+        assert len(ranks) == rr.trainer_processes
+        assert [r["rank"] for r in ranks] == [d.node_rank * rr.trainer_processes + i for i in range(len(ranks))]
+        if d.nodes > 1:  # every node meets node 0's main rank at the recipe's address, started per node (no pdsh)
+            assert launched["endpoint"] == f"{d.main_address}:{d.main_port}" and launched["rdzv"] == "static"
+            assert launched["node_rank"] == d.node_rank
+    else:
+        cmd, env = launch.trainer_processes(rr, train_dir)
+        assert "accelerate" not in " ".join(cmd) and cmd[-2:] == ["--train-dir", str(train_dir.path)]
+        ranks = [{"rank": 0, "local_rank": 0, "card": int(env[variable].split(",")[0]) if variable else None,
+                  "env": env}]
+    for r in ranks:
+        if variable:
+            assert r["env"][variable] == ",".join(map(str, trainer)), (r["env"].get(variable), trainer)
+        for key, value in rr.recipe.devices.env.items():  # devices.env (HCCL timeouts, ...) reaches every rank
+            assert r["env"][key] == value
+    if variable:
+        cards = [r["card"] for r in ranks]
+        assert len(set(cards)) == len(cards) and set(cards) <= set(trainer), cards
+        if _server_here(rr):
+            assert not set(cards) & server, f"ranks on the server's cards: {cards} vs {sorted(server)}"
+
+
+def test_the_variants_cover_every_strategy_and_accelerator():
+    ids = {p.id for p in _variants()}
+    assert {f"4+4 {p} {s}" for p in ACCELERATORS for s in STRATEGIES} <= ids
+    assert {"ascend-910b-8card (shipped)", "cuda-8gpu (shipped)", "cuda-2gpu (shipped)", "cuda-1gpu (shipped)"} <= ids
+
+
+def test_the_8card_recipe_keeps_its_ranks_off_the_servers_cards(tmp_path):
+    """The case that failed first: 4 cards serving, 4 training, ZeRO-3 through accelerate's DeepSpeed launcher."""
+    rr = _resolve("ascend-910b-8card", [])
+    _, ranks = accelerate_ranks(rr, TrainDir(tmp_path))
+    assert [r["card"] for r in ranks] == [4, 5, 6, 7]
+    assert {r["env"]["ASCEND_RT_VISIBLE_DEVICES"] for r in ranks} == {"4,5,6,7"}
+    assert ranks[0]["env"]["HCCL_CONNECT_TIMEOUT"] == "1800"
+
+
+def test_a_single_trainer_is_started_with_the_trainer_roles_environment(tmp_path):
+    rr = _resolve("cuda-2gpu", [])
+    assert launch.trainer_placement(rr) == "process"
+    cmd, env = launch.trainer_processes(rr, TrainDir(tmp_path), server_pid=4242)
+    assert cmd[1:3] == ["-m", "workbench.training.rank"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["WORKBENCH_SERVER_PID"] == "4242"
+    # on the CPU with nothing to set, the trainer stays in `workbench train`'s process
+    assert launch.trainer_placement(_resolve("smoke", [])) == "here"
+    assert launch.trainer_placement(_resolve("smoke", ["devices.env.WORKBENCH_ROLE_PROBE=1"])) == "process"
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["devices.trainer=[3,4,5,6]"], "devices [3] are given to both server and trainer on this node"),
+    (["devices.trainer=[4]", "distributed.processes=1"], "distributed.strategy=deepspeed with one trainer process"),
+])
+def test_bad_splits_are_refused_before_anything_starts(overrides, expected):
+    problems = launch.placement_problems(_resolve("ascend-910b-8card", overrides))
+    assert any(expected in str(p) for p in problems), [str(p) for p in problems]
+
+
+def test_a_single_cpu_trainer_with_role_variables_runs_in_a_process_that_has_them(smoke_run):
+    """The session's smoke training (tests/conftest.py) sets devices.env.WORKBENCH_TEST_ROLE: `workbench train`
+    started its one trainer as a child process with the trainer role's environment, not in its own process."""
+    import json
+
+    run, _ = smoke_run
+    (rank,) = json.loads(run.train.ranks.read_text())
+    assert rank["env"]["WORKBENCH_TEST_ROLE"] == "trainer"
+    assert rank["parent_pid"] != os.getpid(), "the trainer ran inside `workbench train` (the test's child)"
+    assert rank["cores"] == list(run_recipe_cores(run)), rank["cores"]
+
+
+def run_recipe_cores(run) -> tuple[int, ...]:
+    return tuple(recipe.load(str(run.recipe)).devices.trainer)
