@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -278,6 +279,93 @@ del group
         receiver.wait()
         if group is not None:  # the trainer's TCPStore and gloo sockets close with it, failed or not
             group.destroy()
+
+
+RESTART = r'''
+import json, os, signal, socket, subprocess, sys, torch
+sys.path.insert(0, CONTRACT)
+import gloo_engine as g
+from workbench.serving import sync
+
+WORKER = """
+import sys, torch
+sys.path.insert(0, sys.argv[3])
+import gloo_engine as g
+group = g.GlooCommunicator("127.0.0.1", int(sys.argv[1]), 1, 2)
+info = g.GlooWeightTransferUpdateInfo(names=["w"], dtype_names=["float32"], shapes=[[4]], packed=True)
+got = {}
+g.receive_weights(info, group, lambda pairs: got.update({n: t.clone() for n, t in pairs}))
+torch.save(got, sys.argv[2])
+group.destroy()
+"""
+
+
+class Server:
+    """The server's HTTP side: each /init_weight_transfer_engine starts a worker joining the new group (rank 1)."""
+    base_url = "http://server"
+
+    def __init__(self):
+        self.workers = []
+
+    def get_server_info(self):
+        return {"weight_transfer_config": {"backend": "nccl"}}
+
+    def get_world_size(self):
+        return 1
+
+    def _post(self, url, json=None):
+        port = json["init_info"]["master_port"]
+        self.workers.append(subprocess.Popen([sys.executable, "-c", WORKER, str(port), sys.argv[1] + str(port),
+                                              CONTRACT]))
+        return {}
+
+
+def held(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return False
+        except OSError:
+            return True
+
+
+server, cpu = Server(), torch.device("cpu")
+adapter = sync.HcclSync(group_port=int(sys.argv[2]), engine=g.GlooTrainerEngine, master_address="127.0.0.1")
+adapter.connect(server, cpu)
+old = adapter.group_port
+server.workers[0].send_signal(signal.SIGKILL)  # the server dies (its worker with it) and is restarted
+server.workers[0].wait()
+try:  # what the recovery did before: the same port again
+    g.GlooTrainerEngine.trainer_init({"master_address": "127.0.0.1", "master_port": old, "world_size": 2})
+    same_port = "joined"
+except Exception as exc:
+    same_port = str(exc)[:300]
+adapter.reconnect(server, cpu)
+weights = torch.arange(4, dtype=torch.float32)
+g.GlooTrainerEngine.trainer_send_weights(iter([("w", weights)]), {"group": adapter.group, "packed": True})
+server.workers[1].wait(timeout=60)
+got = torch.load(sys.argv[1] + str(adapter.group_port))
+print("RESULT " + json.dumps({"old": old, "new": adapter.group_port, "old_held": held(old), "same_port": same_port,
+                              "received": bool(torch.equal(got["w"], weights))}), flush=True)
+os._exit(0)  # gloo's threads torn down at the interpreter's exit can abort it; the process's end frees every port
+'''
+
+
+def test_after_a_restart_the_weight_sync_reconnects_on_a_free_port(tmp_path):
+    """The recovery's reconnect (workbench/training/recovery.py) after a server restart, through the gloo engine
+    that stands in for HCCL: the trainer hosts the transfer group's store, and the dead server's group still holds
+    its port in the trainer (joining there again fails, as the recovery once did); the reconnect makes the new group
+    on a free port, the restarted server's worker joins it, and a broadcast lands. In a process of its own, whose
+    end frees the old group's port."""
+    script = f"CONTRACT = {str(CONTRACT)!r}\n" + RESTART
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "got-"), str(free_port())],
+                         capture_output=True, text=True, timeout=120)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(lines[0][len("RESULT "):])
+    assert "EADDRINUSE" in result["same_port"], result  # the dead server's group held it: the old recovery's port
+    assert result["new"] != result["old"] and result["received"], result
+    assert not result["old_held"], result  # the reconnect let the old group go
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -565,28 +653,3 @@ def test_a_failed_push_leaves_the_server_able_to_take_the_next(contract_server, 
     assert _mean_abs(served, expected) < EXACT
     assert _mean_abs(expected, _logprobs(hccl["base"], ids)) > 0.1
 
-
-def test_a_reconnect_after_a_restart_takes_a_free_group_port(contract_server, hccl, tiny_model_dir, restores_base):
-    """What the recovery does after a server restart (workbench/training/recovery.py): reconnect the weight sync.
-    The old group's store may still hold the group port on the trainer's side (here it does: the first group is
-    alive), so the new group is made on another port; the server's workers join it and the next push lands."""
-    from workbench.serving.client import sequence_logprobs
-
-    adapter, client, ids = hccl["adapter"], hccl["client"], hccl["ids"]
-    old_port, old_group = adapter.group_port, adapter.group
-    holder = socket.socket()  # the old port stays taken however the old group lets go of it
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        try:
-            holder.bind(("127.0.0.1", old_port))
-            holder.listen()
-        except OSError:
-            pass  # the old group's store listens there still: taken either way
-        adapter.reconnect(client, torch.device("cpu"))
-    finally:
-        holder.close()
-    assert adapter.group_port != old_port and adapter.group is not old_group
-    trained = _perturbed(tiny_model_dir, seed=4)
-    _push(hccl, trained)
-    served = sequence_logprobs(contract_server.rr, ids, url=contract_server.url)
-    assert _mean_abs(served, _logprobs(trained, ids)) < EXACT

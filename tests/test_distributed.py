@@ -1,5 +1,7 @@
-"""Several trainer processes: real `accelerate launch` ranks (gloo) through one managed server on the CPU; the
-accelerate configs the recipes generate, parsed by accelerate itself; `workbench plan` for one and two nodes."""
+"""Several trainer processes: real `accelerate launch` ranks (gloo) through one managed server on the CPU (DDP with
+a server restart; ZeRO-3 over two nodes on loopback; FSDP against an attached server); the accelerate configs the
+recipes generate, parsed by accelerate itself; `workbench plan` for one and two nodes. Where each rank lands on an
+accelerator is tests/test_placement.py."""
 from __future__ import annotations
 
 import json
@@ -71,7 +73,7 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
     watcher.start()
     try:
         out = subprocess.run([*WORKBENCH, "train", "--recipe", "smoke", "distributed.processes=2",
-                              f"server.port={port}", f"monitor.runs_dir={runs}", "trainer.log_completions=true",
+                              f"distributed.main_port={free_port()}", f"server.port={port}", f"monitor.runs_dir={runs}", "trainer.log_completions=true",
                               "trainer.max_steps=4", "devices.env.WORKBENCH_TEST_CANARY=from-the-recipe", *KEYED],
                              capture_output=True, text=True, timeout=900)
     finally:
@@ -248,3 +250,91 @@ def test_trainer_devices_and_counts_are_checked_up_front():
 
     with pytest.raises(WorkbenchError, match="both server and trainer"):
         check_device_split(recipe.resolve(recipe.load("ascend-910b-8card", ["devices.trainer=[3,4,5,6]"])))
+
+
+# --- the scale strategies, trained for real on the CPU ------------------------------------------------------------
+# Two steps that move the weights (no warm-up, a learning rate the tiny model feels, 4 completions a group so that
+# step 1's groups have reward spread): only the second push carries trained weights, and the canary after every
+# push proves the server holds them.
+MOVING = ["trainer.max_steps=2", "monitor.canary_every=1", "trainer.warmup_steps=0", "trainer.learning_rate=1e-3",
+          "trainer.num_generations=4", "trainer.per_device_train_batch_size=8"]
+
+
+def _synced_every_step(run: RunDir, base_model: Path) -> None:
+    """Two steps trained, the server's log-probs on the trainer's after every push, the saved model loads and moved."""
+    from transformers import AutoModelForCausalLM
+
+    from workbench.training import smoke
+
+    rows = [r for r in read_jsonl(run.train.metrics) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["grad_norm"] > 0, rows
+    assert all(r["sampling/sampling_logp_difference/mean"] < 1e-4 for r in rows), rows
+    canary = read_jsonl(run.train.canary, normalised=False)
+    assert len(canary) >= 2 and all(c["gap_mean"] < 1e-4 for c in canary), canary
+    AutoModelForCausalLM.from_pretrained(run.train.final)
+    assert smoke._max_weight_change(base_model, run.train.final) > 0
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(540)  # about 2 minutes here (one server start, two ranks, DeepSpeed's first op build)
+def test_two_nodes_on_loopback_train_zero3_through_one_managed_server(tmp_path, tiny_model_dir):
+    """`distributed.nodes: 2` as the README says to start it: node 0 (`workbench train`: the keyed server, then its
+    one rank), node 1 from node 0's run recipe (`distributed.node_rank=1`: no server, one rank). They meet at the
+    rendezvous on main_address:main_port and train ZeRO-3 (DeepSpeed's CPU accelerator on gloo), each node's ranks
+    started by torchrun, not DeepSpeed's pdsh launcher."""
+    runs0, runs1 = tmp_path / "node0", tmp_path / "node1"
+    port = free_port()
+    node0 = [*WORKBENCH, "train", "--recipe", "smoke", "distributed.nodes=2", "distributed.processes=1",
+             "distributed.strategy=deepspeed", "distributed.zero_stage=3", "distributed.main_address=127.0.0.1",
+             f"distributed.main_port={free_port()}", f"server.port={port}", f"monitor.runs_dir={runs0}", *KEYED,
+             *MOVING]
+    before = _server_processes(port)
+    with open(tmp_path / "node0.log", "w") as log0, open(tmp_path / "node1.log", "w") as log1:
+        p0 = subprocess.Popen(node0, stdout=log0, stderr=subprocess.STDOUT)
+        p1 = None
+        servers: set[int] = set()
+        try:
+            deadline = time.time() + 480
+            while p0.poll() is None and time.time() < deadline:
+                servers |= _server_processes(port) - before
+                recipe_copy = next(runs0.glob("*-smoke-train/recipe.yaml"), None)
+                if p1 is None and recipe_copy is not None:  # what a user copies to node 1
+                    p1 = subprocess.Popen([*WORKBENCH, "train", "--recipe", str(recipe_copy),
+                                           "distributed.node_rank=1", f"monitor.runs_dir={runs1}"],
+                                          stdout=log1, stderr=subprocess.STDOUT)
+                time.sleep(0.5)
+            code0 = p0.wait(timeout=max(1, deadline - time.time()))
+            code1 = p1.wait(timeout=60) if p1 is not None else None
+        finally:  # node 1 would wait 15 minutes at the rendezvous for a node 0 that died
+            for p in (p0, p1):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait()
+    logs = (tmp_path / "node0.log").read_text()[-3000:] + (tmp_path / "node1.log").read_text()[-3000:]
+    assert (code0, code1) == (0, 0), logs
+    assert len(servers) == 1, servers  # node 0's one server; node 1 started none
+    (run,) = [RunDir(p) for p in runs0.iterdir()]
+    (other,) = list(runs1.iterdir())
+    assert other.name.endswith("-train-node1") and not list(other.rglob("vllm-server-*.log"))
+    ranks = json.loads(run.train.ranks.read_text())
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["parent_pid"] != ranks[1]["parent_pid"]
+    assert len({r["recipe"] for r in ranks}) == 1  # both nodes train the same settings
+    config = yaml.safe_load(run.train.accelerate_config.read_text())
+    assert config["num_machines"] == 2 and config["distributed_type"] == "DEEPSPEED"
+    assert config["deepspeed_config"]["zero_stage"] == 3
+    assert config["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+    _synced_every_step(run, tiny_model_dir)
+
+
+@pytest.mark.timeout(420)  # about 1.5 minutes here, the session's server already up
+def test_fsdp_two_ranks_train_against_an_attached_keyed_server(tmp_path, restored_server, tiny_model_dir):
+    """accelerate's FSDP (version 2) with two gloo ranks, attached to the session's keyed server: every rank takes
+    part in gathering the sharded parameters (DTensor.full_tensor), the main rank pushes them."""
+    out = subprocess.run([*WORKBENCH, "train", "--recipe", "smoke", "distributed.processes=2",
+                          "distributed.strategy=fsdp", f"distributed.main_port={free_port()}", "server.mode=attach",
+                          f"server.url={restored_server.url}", *KEYED, f"monitor.runs_dir={tmp_path}", *MOVING],
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run,) = [RunDir(p) for p in tmp_path.iterdir()]
+    assert yaml.safe_load(run.train.accelerate_config.read_text())["fsdp_config"]["fsdp_version"] == 2
+    _synced_every_step(run, tiny_model_dir)

@@ -205,3 +205,32 @@ def test_a_single_cpu_trainer_with_role_variables_runs_in_a_process_that_has_the
 
 def run_recipe_cores(run) -> tuple[int, ...]:
     return tuple(recipe.load(str(run.recipe)).devices.trainer)
+
+
+def test_the_tiny_model_runs_in_bfloat16_on_an_ascend_card():
+    """vllm-ascend's attention kernels take 16-bit inputs: the NPU smoke run (README: `workbench train --recipe smoke
+    devices.platform=npu ...`) serves and trains the tiny model in bfloat16, and says so in the server's command."""
+    from workbench.serving import launch as serving_launch
+
+    rr = _resolve("smoke", ["devices.platform=npu", "devices.server=[0]", "devices.trainer=[1]"])
+    assert (rr.recipe.server.dtype, rr.recipe.model.dtype) == ("bfloat16", "bfloat16")
+    command = serving_launch.command(rr, rr.model_path)
+    assert command[command.index("--dtype") + 1] == "bfloat16"
+    assert _resolve("smoke", []).recipe.server.dtype == "float32"  # the CPU keeps the recipe's float32
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["distributed.main_address=10.0.0.2"], "10.0.0.2"),          # the recipe names this node's address
+    ([], "127.0.0.1"),                                             # a server on this machine: loopback
+    (["server.mode=attach", "server.url=http://127.0.0.9:8001"], "127.0.0.1"),
+])
+def test_the_weight_transfer_master_address_comes_from_the_recipe_or_the_route(overrides, expected):
+    """The trainer's main rank hosts the HCCL weight-transfer group; the server's workers connect to the address
+    passed as master_address: distributed.main_address when it is a network address, else the interface that
+    routes to the server (asked of the kernel), never the first interface found."""
+    from workbench.serving import sync
+
+    rr = _resolve("ascend-910b-8card", overrides)
+    assert rr.weight_sync == "hccl"
+    adapter = sync.make(rr)
+    assert adapter.master_address == expected

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -156,6 +157,34 @@ def test_attach_checks_the_served_name(tiny_server, server_recipe):
     wrong = _attach(server_recipe, tiny_server.url, **{"server.served_model_name": "policy-7b"})
     with pytest.raises(WorkbenchError, match=r"does not serve 'policy-7b'; it serves \['tiny-policy'\]"):
         VLLMServer(wrong).start()
+
+
+def test_a_wrong_or_missing_key_is_one_line_before_anything_starts(tiny_server, tmp_path):
+    """Against the session's keyed server, as a user types it: a wrong key, and no server.api_key_env at all, each
+    get one line naming server.api_key_env, exit 2, before a model is built or a run directory written (train and
+    eval, through the console script's own entry point)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bad_inputs import run_all
+
+    attach = ["server.mode=attach", f"server.url={tiny_server.url}"]
+    cases = [(["train", "--recipe", "smoke", *attach, "server.api_key_env=WB_TEST_WRONG_KEY"],
+              "refused the key in $WB_TEST_WRONG_KEY (server.api_key_env): HTTP 401"),
+             (["train", "--recipe", "smoke", *attach], "wants an API key (HTTP 401) and server.api_key_env is not set"),
+             (["eval", "--recipe", "smoke", *attach, "server.api_key_env=WB_TEST_WRONG_KEY"],
+              "refused the key in $WB_TEST_WRONG_KEY")]
+    os.environ["WB_TEST_WRONG_KEY"] = "not-the-key"
+    try:
+        results = run_all(cases, tmp_path, free_port())
+    finally:
+        del os.environ["WB_TEST_WRONG_KEY"]
+    for (args, expected), out in zip(cases, results):
+        errors = [line for line in out["stderr"].splitlines() if line.startswith("error: ")]
+        assert out["code"] == 2 and len(errors) == 1 and expected in errors[0], (args, out["stderr"][-1500:])
+        assert "not-the-key" not in out["stderr"] + out["stdout"]  # the key itself is never printed
+    runs = tmp_path / "runs"
+    assert not (runs.exists() and any(runs.iterdir())), list(runs.iterdir())
 
 
 def test_attach_checks_max_model_len_fits(tiny_server, server_recipe):

@@ -155,7 +155,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     preflight(rr)  # devices, nodes, strategy, key, the GRPOConfig, data, rewards: before the run directory exists
     if run is None:
-        run = RunDir.at(args.run_dir, r) if args.run_dir else RunDir.create(r, "train")
+        node = r.distributed.node_rank  # another node's ranks only: its run directory says so
+        run = RunDir.at(args.run_dir, r) if args.run_dir else RunDir.create(r, f"train-node{node}" if node else "train")
     train(rr, run.train, resume=bool(args.resume), checked=True)
     print(f"run directory: {run.path}")
     return 0

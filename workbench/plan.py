@@ -190,8 +190,10 @@ def nodes(rr: Resolved) -> list[Node]:
             if rank == 0:
                 note = "   # what `workbench train` runs here once the server is up"
             else:  # no server here: only node 0's main rank talks to it
-                command = f"workbench train --recipe {r.name} distributed.node_rank={rank}"
-                note = f"   # = accelerate launch with machine_rank {rank}; starts no server"
+                # node 0's run recipe: every override included (the recipe's name alone would lose them)
+                command = f"workbench train --recipe runs/<id>/recipe.yaml distributed.node_rank={rank}"
+                note = (f"   # node 0's run recipe copied here; = accelerate launch with machine_rank {rank}; "
+                        "starts no server")
             node.processes.append({"role": f"trainer ×{rr.trainer_processes}", "devices": list(rr.trainer.devices),
                                    "env": trainer_env, "command": command + note})
         else:

@@ -181,6 +181,8 @@ def rank_environment(rr: Resolved, server_pid: int | None = None) -> dict[str, s
     """Every trainer process's environment: this one's, the trainer role's variables (visible devices, HCCL
     timeouts, ...) and where the already running server is."""
     env = {**os.environ, **rr.trainer.env, "PYTHONUNBUFFERED": "1"}
+    if rr.platform == "cpu":  # DeepSpeed's own device detection would take an NPU or GPU it finds over accelerate's CPU
+        env.setdefault("DS_ACCELERATOR", "cpu")
     if server_pid:
         env["WORKBENCH_SERVER_PID"] = str(server_pid)
     return env

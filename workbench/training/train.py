@@ -18,6 +18,7 @@ analogue of "four cards serve, four cards train".
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -94,6 +95,17 @@ def _pinned_to_trainer_cores(rr: Resolved, local_rank: int | None = None):
         torch.set_num_threads(saved_threads)
 
 
+def shared_settings(rr: Resolved) -> str:
+    """A digest of the recipe settings every rank on every node must share (what is trained, how, on which data,
+    and the distributed layout), less what is each node's own: its node_rank, the main address as it names it,
+    a local data path."""
+    d = rr.recipe.to_dict()
+    shared = {"trainer": d["trainer"], "rewards": d["rewards"], "rollout": d["rollout"],
+              "data": {k: v for k, v in d["data"].items() if k != "path"},
+              "distributed": {k: v for k, v in d["distributed"].items() if k not in ("node_rank", "main_address")}}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def physical_card(device, visible: str | None) -> int | str | None:
     """The physical card a process's device is: its index into the visible-devices list the driver was given (the
     whole machine's numbering when none was)."""
@@ -108,14 +120,26 @@ def physical_card(device, visible: str | None) -> int | str | None:
 
 
 def _rank_record(rr: Resolved, accelerator) -> dict:
-    """What one rank really got: its process, device and physical card, visible devices and the recipe's
-    environment variables."""
+    """What one rank really got: its process, device and physical card, visible devices, the recipe's environment
+    variables and the digest of its shared settings."""
     visible = VISIBLE_DEVICES.get(rr.platform, "")
     names = sorted(set(rr.recipe.devices.env) | {visible} - {""})
     return {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index,
             "pid": os.getpid(), "parent_pid": os.getppid(), "device": str(accelerator.device),
             "card": physical_card(accelerator.device, os.environ.get(visible) if visible else None),
-            "cores": sorted(os.sched_getaffinity(0)), "env": {name: os.environ.get(name) for name in names}}
+            "cores": sorted(os.sched_getaffinity(0)), "env": {name: os.environ.get(name) for name in names},
+            "recipe": shared_settings(rr)}
+
+
+def check_same_recipe(ranks: list[dict]) -> None:
+    """Every rank (each node started its own `workbench train`) trains the same recipe: a node started with other
+    settings would go on silently (DDP ranks with different learning rates drift apart) or hang at the end."""
+    digests = {r["recipe"] for r in ranks}
+    if len(digests) > 1:
+        by = {digest: [r["rank"] for r in ranks if r["recipe"] == digest] for digest in sorted(digests)}
+        raise WorkbenchError(f"the trainer ranks train different recipes (settings digest: ranks {by})",
+                             "start every node from node 0's run recipe: workbench train --recipe RUN/recipe.yaml "
+                             "distributed.node_rank=N")
 
 
 def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: int | None = None,
@@ -145,6 +169,7 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
             accelerator = trainer.accelerator
             main = accelerator.is_main_process
             ranks = accelerator.gather_for_metrics([_rank_record(rr, accelerator)], use_gather_object=True)
+            check_same_recipe(ranks)  # every rank holds the gathered list: all of them stop together
             if main:
                 write_atomic(train_dir.ranks, json.dumps(ranks, indent=2))
             trainer.add_callback(JsonlMetrics(train_dir.metrics))
@@ -257,12 +282,6 @@ def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, s
                resume_from: Path | None = None) -> None:
     """This node's trainer processes against the running server, with the trainer role's environment: `accelerate
     launch` of its ranks, or the single trainer as one child process; waits, and fails with the log tail."""
-    # every rank reads the recipe from disk: it must be this one
-    if not train_dir.recipe.exists():
-        write_atomic(train_dir.own_recipe, recipe_text(rr.recipe))
-    elif train_dir.recipe.read_text() not in (recipe_text(rr.recipe), rr.recipe.to_yaml()):
-        raise WorkbenchError(f"{train_dir.recipe} is not the recipe being trained",
-                             "train into a new run directory, or train the recipe that run was made with")
     cmd, env = launch.trainer_processes(rr, train_dir, server_pid)
     if launch.trainer_placement(rr) == "accelerate":
         log(f"trainer: {rr.trainer_processes} process(es) on this node through accelerate "
@@ -291,6 +310,19 @@ def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, s
                              f"read the tracebacks above (and {train_dir.log} when started from a notebook)")
 
 
+def _rank_recipe(rr: Resolved, train_dir: TrainDir, log) -> None:
+    """Every rank reads the recipe from disk: it must be this one. Node 0 says how the other nodes start."""
+    if not train_dir.recipe.exists():
+        write_atomic(train_dir.own_recipe, recipe_text(rr.recipe))
+    elif train_dir.recipe.read_text() not in (recipe_text(rr.recipe), rr.recipe.to_yaml()):
+        raise WorkbenchError(f"{train_dir.recipe} is not the recipe being trained",
+                             "train into a new run directory, or train the recipe that run was made with")
+    nodes = rr.recipe.distributed.nodes
+    if nodes > 1 and rr.recipe.distributed.node_rank == 0:
+        log(f"the other {nodes - 1} node(s): with a copy of {train_dir.recipe} (every setting, overrides included), "
+            f"run on node N (1..{nodes - 1}): workbench train --recipe {train_dir.recipe} distributed.node_rank=N")
+
+
 def check_device_split(rr: Resolved) -> None:
     """The recipe's devices, nodes and strategy (workbench.training.launch.placement_problems): the first problem."""
     problems = launch.placement_problems(rr)
@@ -313,6 +345,8 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False, ch
     tinymodel.check_tokenizer(model_path)
     resume_from = prepare_resume(rr, train_dir, log) if resume else None
     train_dir.make()
+    if own_process:  # every trainer process reads the recipe from disk
+        _rank_recipe(rr, train_dir, log)
     if recipe.distributed.node_rank != 0:
         # another node's ranks: the run's one server and its main rank live on node 0; these ranks only compute
         _run_ranks(rr, train_dir, None, log, resume_from=resume_from)
