@@ -39,11 +39,15 @@ def _server_processes(port: int) -> set[int]:
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory, tiny_model_dir):
-    """`workbench train --recipe smoke distributed.processes=2`: one server, two gloo ranks on the CPU. The server
-    is SIGKILLed after step 2: the main rank (a child of accelerate) asks `workbench train`, which owns the server,
-    for a restart, and pushes the weights again. The managed server takes a key (server.api_key_env), the restarted
-    one too."""
-    runs = tmp_path_factory.mktemp("two-rank")
+    """Two nodes on loopback, as the README says to start them: node 0 `workbench train --recipe smoke
+    distributed.nodes=2` (the keyed managed server, then its one rank), node 1 `workbench train --recipe
+    <node 0's run recipe> distributed.node_rank=1` (no server, one rank); they meet at the rendezvous on
+    main_address:main_port. The server is SIGKILLed after step 2: the main rank asks node 0's `workbench train`,
+    which owns the server, for a restart (with the key again), and pushes the weights again; node 1's rank waits in
+    the collective meanwhile. Returns (node 0's run, server pids seen, node 0's output, most servers at once,
+    node 1's run directory)."""
+    runs = tmp_path_factory.mktemp("two-nodes")
+    runs0, runs1 = runs / "node0", runs / "node1"
     port = free_port()
     before = _server_processes(port)
     sync_dirs = set(Path("/dev/shm").glob("workbench-sync-*"))
@@ -51,10 +55,16 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
     keys: dict[int, str | None] = {}
     at_once: list[int] = []
     done = threading.Event()
+    node1: list[subprocess.Popen] = []
+    log1 = open(runs / "node1.log", "w")
 
-    def watch() -> None:  # every server process that appears while the run lasts; kill the first after step 2
+    def watch() -> None:  # node 1 once node 0 wrote its recipe; every server seen; kill the first after step 2
         killed = False
         while not done.is_set():
+            copy = next(runs0.glob("*-smoke-train/recipe.yaml"), None)
+            if not node1 and copy is not None:  # what a user copies to the other node and starts there
+                node1.append(subprocess.Popen([*WORKBENCH, "train", "--recipe", str(copy), "distributed.node_rank=1",
+                                               f"monitor.runs_dir={runs1}"], stdout=log1, stderr=subprocess.STDOUT))
             now = _server_processes(port) - before
             for pid in now - seen:  # the key each server was started with (it guards the OpenAI routes)
                 try:
@@ -63,7 +73,7 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
                     pass
             seen.update(now)
             at_once.append(len(now))
-            metrics = next(runs.glob("*/train/metrics.jsonl"), None)
+            metrics = next(runs0.glob("*/train/metrics.jsonl"), None)
             if not killed and now and metrics and len([r for r in read_jsonl(metrics) if "loss" in r]) >= 2:
                 os.killpg(os.getpgid(next(iter(now))), signal.SIGKILL)
                 killed = True
@@ -72,34 +82,51 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        out = subprocess.run([*WORKBENCH, "train", "--recipe", "smoke", "distributed.processes=2",
-                              f"distributed.main_port={free_port()}", f"server.port={port}", f"monitor.runs_dir={runs}", "trainer.log_completions=true",
-                              "trainer.max_steps=4", "devices.env.WORKBENCH_TEST_CANARY=from-the-recipe", *KEYED],
+        out = subprocess.run([*WORKBENCH, "train", "--recipe", "smoke", "distributed.nodes=2",
+                              "distributed.processes=1", "distributed.main_address=127.0.0.1",
+                              f"distributed.main_port={free_port()}", f"server.port={port}", f"monitor.runs_dir={runs0}",
+                              "trainer.log_completions=true", "trainer.max_steps=4",
+                              "devices.env.WORKBENCH_TEST_CANARY=from-the-recipe", *KEYED],
                              capture_output=True, text=True, timeout=900)
+        code1 = node1[0].wait(timeout=120) if node1 else None
     finally:
         done.set()
         watcher.join()
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        for p in node1:  # node 1 would wait 15 minutes at the rendezvous for a node 0 that died
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        log1.close()
+    node1_log = (runs / "node1.log").read_text()[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + node1_log
+    assert code1 == 0, node1_log
     # the reload adapter's copy of the weights in RAM went with the run
     assert set(Path("/dev/shm").glob("workbench-sync-*")) <= sync_dirs
-    (run_dir,) = runs.iterdir()
+    (run_dir,) = runs0.iterdir()
+    (other,) = runs1.iterdir()
     assert set(keys) == seen and set(keys.values()) == {os.environ[SERVER_KEY_ENV]}, "a server started without the key"
-    return RunDir(run_dir), seen, out.stdout + out.stderr, max(at_once)
+    return RunDir(run_dir), seen, out.stdout + out.stderr, max(at_once), other
 
 
 def test_two_ranks_train_through_one_server(two_rank_run):
-    run, servers, output, most = two_rank_run
-    # one server for both ranks at any time; two in all: the first was killed and replaced once
+    run, servers, output, most, other = two_rank_run
+    # one server for both nodes' ranks at any time (node 1 started none); two in all: the first was killed and
+    # replaced once
     assert most == 1 and len(servers) == 2, f"server processes seen: {servers}, at most {most} at once"
     assert len(list(run.train.path.glob("vllm-server-*.log"))) == 2  # the dead one's log kept beside the new
+    assert other.name.endswith("-train-node1") and not list(other.rglob("vllm-server-*.log"))
     ranks = json.loads(run.train.ranks.read_text())
     assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
+    assert ranks[0]["parent_pid"] != ranks[1]["parent_pid"]  # each node's own launcher
+    assert len({r["recipe"] for r in ranks}) == 1  # both nodes train the same settings
     # the recipe's devices.env reached every rank, and each CPU rank runs on the trainer role's core
     assert all(r["env"]["WORKBENCH_TEST_CANARY"] == "from-the-recipe" for r in ranks)
     assert all(r["cores"] == [1] for r in ranks)
-    assert "2 process(es) on this node through accelerate" in output
+    assert "1 process(es) on this node through accelerate" in output
+    assert "workbench train --recipe" in output and "distributed.node_rank=N" in output  # how to start node 1
     config = yaml.safe_load(run.train.accelerate_config.read_text())
-    assert config["num_processes"] == 2 and config["use_cpu"] is True
+    assert (config["num_processes"], config["num_machines"], config["use_cpu"]) == (2, 2, True)
+    assert config["main_process_ip"] == "127.0.0.1"
     # each rank's device reaches the dashboard's summary and the report
     from workbench.observe import report
     from workbench.observe.rundata import load
@@ -111,7 +138,7 @@ def test_two_ranks_train_through_one_server(two_rank_run):
 
 
 def test_two_ranks_write_each_record_once_and_stay_in_sync(two_rank_run):
-    run, _, _, _ = two_rank_run
+    run, _, _, _, _ = two_rank_run
     rows = [r for r in read_jsonl(run.train.metrics) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the main rank alone writes: no step twice
     # the server's log-probs track the trainer's after every push (the weights reached the server each step)
@@ -275,66 +302,44 @@ def _synced_every_step(run: RunDir, base_model: Path) -> None:
     assert smoke._max_weight_change(base_model, run.train.final) > 0
 
 
-@pytest.mark.heavy
-@pytest.mark.timeout(540)  # about 2 minutes here (one server start, two ranks, DeepSpeed's first op build)
-def test_two_nodes_on_loopback_train_zero3_through_one_managed_server(tmp_path, tiny_model_dir):
-    """`distributed.nodes: 2` as the README says to start it: node 0 (`workbench train`: the keyed server, then its
-    one rank), node 1 from node 0's run recipe (`distributed.node_rank=1`: no server, one rank). They meet at the
-    rendezvous on main_address:main_port and train ZeRO-3 (DeepSpeed's CPU accelerator on gloo), each node's ranks
-    started by torchrun, not DeepSpeed's pdsh launcher."""
-    runs0, runs1 = tmp_path / "node0", tmp_path / "node1"
-    port = free_port()
-    node0 = [*WORKBENCH, "train", "--recipe", "smoke", "distributed.nodes=2", "distributed.processes=1",
-             "distributed.strategy=deepspeed", "distributed.zero_stage=3", "distributed.main_address=127.0.0.1",
-             f"distributed.main_port={free_port()}", f"server.port={port}", f"monitor.runs_dir={runs0}", *KEYED,
-             *MOVING]
-    before = _server_processes(port)
-    with open(tmp_path / "node0.log", "w") as log0, open(tmp_path / "node1.log", "w") as log1:
-        p0 = subprocess.Popen(node0, stdout=log0, stderr=subprocess.STDOUT)
-        p1 = None
-        servers: set[int] = set()
-        try:
-            deadline = time.time() + 480
-            while p0.poll() is None and time.time() < deadline:
-                servers |= _server_processes(port) - before
-                recipe_copy = next(runs0.glob("*-smoke-train/recipe.yaml"), None)
-                if p1 is None and recipe_copy is not None:  # what a user copies to node 1
-                    p1 = subprocess.Popen([*WORKBENCH, "train", "--recipe", str(recipe_copy),
-                                           "distributed.node_rank=1", f"monitor.runs_dir={runs1}"],
-                                          stdout=log1, stderr=subprocess.STDOUT)
-                time.sleep(0.5)
-            code0 = p0.wait(timeout=max(1, deadline - time.time()))
-            code1 = p1.wait(timeout=60) if p1 is not None else None
-        finally:  # node 1 would wait 15 minutes at the rendezvous for a node 0 that died
-            for p in (p0, p1):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait()
-    logs = (tmp_path / "node0.log").read_text()[-3000:] + (tmp_path / "node1.log").read_text()[-3000:]
-    assert (code0, code1) == (0, 0), logs
-    assert len(servers) == 1, servers  # node 0's one server; node 1 started none
-    (run,) = [RunDir(p) for p in runs0.iterdir()]
-    (other,) = list(runs1.iterdir())
-    assert other.name.endswith("-train-node1") and not list(other.rglob("vllm-server-*.log"))
-    ranks = json.loads(run.train.ranks.read_text())
-    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["parent_pid"] != ranks[1]["parent_pid"]
-    assert len({r["recipe"] for r in ranks}) == 1  # both nodes train the same settings
-    config = yaml.safe_load(run.train.accelerate_config.read_text())
-    assert config["num_machines"] == 2 and config["distributed_type"] == "DEEPSPEED"
-    assert config["deepspeed_config"]["zero_stage"] == 3
-    assert config["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
-    _synced_every_step(run, tiny_model_dir)
-
-
-@pytest.mark.timeout(420)  # about 1.5 minutes here, the session's server already up
-def test_fsdp_two_ranks_train_against_an_attached_keyed_server(tmp_path, restored_server, tiny_model_dir):
-    """accelerate's FSDP (version 2) with two gloo ranks, attached to the session's keyed server: every rank takes
-    part in gathering the sharded parameters (DTensor.full_tensor), the main rank pushes them."""
-    out = subprocess.run([*WORKBENCH, "train", "--recipe", "smoke", "distributed.processes=2",
-                          "distributed.strategy=fsdp", f"distributed.main_port={free_port()}", "server.mode=attach",
+@pytest.mark.parametrize("strategy", [["distributed.strategy=deepspeed", "distributed.zero_stage=3"],
+                                      ["distributed.strategy=fsdp"]], ids=["zero3", "fsdp2"])
+@pytest.mark.timeout(420)  # about a minute here, the session's server already up
+def test_sharded_strategies_train_two_ranks_against_the_keyed_server(strategy, tmp_path, restored_server,
+                                                                     tiny_model_dir):
+    """DeepSpeed ZeRO-3 (its CPU accelerator on gloo) and accelerate's FSDP2 with two ranks on this node, attached
+    to the session's keyed server: every rank takes part in gathering the sharded parameters for each push (ZeRO's
+    GatheredParameters, FSDP's DTensor.full_tensor), the main rank pushes them."""
+    out = subprocess.run([*WORKBENCH, "train", "--recipe", "smoke", "distributed.processes=2", *strategy,
+                          f"distributed.main_port={free_port()}", "server.mode=attach",
                           f"server.url={restored_server.url}", *KEYED, f"monitor.runs_dir={tmp_path}", *MOVING],
                          capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (run,) = [RunDir(p) for p in tmp_path.iterdir()]
-    assert yaml.safe_load(run.train.accelerate_config.read_text())["fsdp_config"]["fsdp_version"] == 2
+    config = yaml.safe_load(run.train.accelerate_config.read_text())
+    if "fsdp" in strategy[0]:
+        assert config["distributed_type"] == "FSDP" and config["fsdp_config"]["fsdp_version"] == 2
+    else:
+        assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == 3
+    assert [r["rank"] for r in json.loads(run.train.ranks.read_text())] == [0, 1]
     _synced_every_step(run, tiny_model_dir)
+
+
+def test_cpu_zero_ranks_skip_deepspeeds_shared_memory_op():
+    """A CPU ZeRO rank: DeepSpeed's own build_shm_op answers None (the path it takes where the op is unsupported)
+    instead of compiling it, which costs a minute on a fresh machine and fails without a C++ compiler."""
+    import deepspeed.ops
+    from deepspeed.comm.torch import build_shm_op
+
+    from workbench.training import rank
+
+    rr = recipe.resolve(recipe.load("smoke", ["distributed.processes=2", "distributed.strategy=deepspeed",
+                                              "distributed.zero_stage=3"]))
+    saved = dict(deepspeed.ops.__compatible_ops__)
+    try:
+        rank._deepspeed_cpu_collectives(rr)
+        assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
+        assert build_shm_op() is None
+    finally:
+        deepspeed.ops.__compatible_ops__.clear()
+        deepspeed.ops.__compatible_ops__.update(saved)

@@ -76,6 +76,16 @@ def cmd_recipe(args: argparse.Namespace) -> int:
         print(f"# built trl.GRPOConfig for platform {rr.platform!r}: {config.per_device_train_batch_size} "
               f"completions/device/step, {config.num_generations} generations, lr {config.learning_rate:g}, "
               f"beta {config.beta:g}, use_vllm={config.use_vllm}")
+        from workbench.training import launch  # lazy: yaml
+
+        problems = launch.placement_problems(rr)
+        if problems:
+            raise problems[0]
+        where = {"accelerate": f"{rr.trainer_processes} rank(s)/node × {rr.recipe.distributed.nodes} node(s) through "
+                               f"accelerate ({rr.recipe.distributed.strategy})",
+                 "process": "one process started with the trainer role's environment",
+                 "here": "in the `workbench train` process"}[launch.trainer_placement(rr)]
+        print(f"# placement: trainer on {list(rr.trainer.devices)}, {where}")
     return 0
 
 
