@@ -65,7 +65,7 @@ def main() -> int:
 
     runs = out / "runs"
     overrides = [f"devices.platform={args.platform}", "server.mode=off", f"devices.trainer=[{last}]",
-                 "devices.server=[0]" if args.platform == "cuda" else "devices.server=[0]",
+                 "devices.server=[0]",
                  f"trainer.max_steps={args.steps}", f"trainer.save_steps={args.steps}", f"monitor.runs_dir={runs}",
                  "monitor.sample_interval_s=0.5", "devices.env.WORKBENCH_DEVICE_CHECK=trainer-role"]
     if args.platform == "cuda":
@@ -89,8 +89,10 @@ def main() -> int:
         placed = rank["env"].get("WORKBENCH_DEVICE_CHECK") == "trainer-role" and (
             args.platform == "cpu" or (rank["card"] == last and visible == str(last)
                                        and rank["device"].startswith("cuda")))
+        # on one GPU the trainer's card is 0 whether or not it was placed: only two or more GPUs prove placement
+        proven = "" if gpus >= 2 or args.platform == "cpu" else " (one GPU: card 0 either way, placement not proven)"
         record("single trainer placed", placed, f"device {rank['device']}, physical card {rank['card']}, "
-               f"CUDA_VISIBLE_DEVICES={visible}, pid {rank['pid']} (parent {rank['parent_pid']})")
+               f"CUDA_VISIBLE_DEVICES={visible}, pid {rank['pid']} (parent {rank['parent_pid']})" + proven)
         samples = [json.loads(line) for line in (train / "devices.jsonl").read_text().splitlines() if line.strip()]
         mine = [s for s in samples if s.get("role") == "trainer"]
         errors = [s["error"] for s in samples if "error" in s]

@@ -1,7 +1,7 @@
-"""Several trainer processes: real `accelerate launch` ranks (gloo) through one managed server on the CPU (DDP with
-a server restart; ZeRO-3 over two nodes on loopback; FSDP against an attached server); the accelerate configs the
-recipes generate, parsed by accelerate itself; `workbench plan` for one and two nodes. Where each rank lands on an
-accelerator is tests/test_placement.py."""
+"""Several trainer processes: real `accelerate launch` ranks (gloo) on the CPU: two nodes on loopback (DDP, one rank
+each) through one managed keyed server that is killed and restarted; ZeRO-3 and FSDP2 with two ranks on one node
+against the session's keyed server; the accelerate configs the recipes generate, parsed by accelerate itself;
+`workbench plan` for one and two nodes. Where each rank lands on an accelerator is tests/test_placement.py."""
 from __future__ import annotations
 
 import json

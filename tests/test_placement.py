@@ -243,3 +243,45 @@ def test_recipe_show_check_builds_every_shipped_recipe(name, capsys):
     assert main(["recipe", "show", name, "--check"]) == 0
     out = capsys.readouterr().out
     assert "# built trl.GRPOConfig" in out and "# placement: trainer on" in out
+
+
+@pytest.mark.parametrize("device,visible,card", [
+    ("cuda:1", "4,5,6,7", 5), ("cuda:0", None, 0), ("cuda:3", "0,2,4,6", 6), ("cpu", "4,5", None),
+    ("cuda:0", "GPU-0000aaaa", "GPU-0000aaaa"), ("cuda:4", "4,5", None),
+])
+def test_ranks_json_records_the_physical_card(device, visible, card):
+    import torch
+
+    from workbench.training.train import physical_card
+
+    assert physical_card(torch.device(device), visible) == card
+
+
+def test_a_node_started_with_other_settings_is_refused_by_every_rank():
+    from workbench.errors import WorkbenchError
+    from workbench.training.train import check_same_recipe, shared_settings
+
+    same = _resolve("smoke", ["distributed.nodes=2"])
+    other = _resolve("smoke", ["distributed.nodes=2", "distributed.node_rank=1", "trainer.learning_rate=2e-3"])
+    node1 = _resolve("smoke", ["distributed.nodes=2", "distributed.node_rank=1", "monitor.runs_dir=/elsewhere"])
+    assert shared_settings(same) == shared_settings(node1)  # its own node rank and runs directory are its own
+    check_same_recipe([{"rank": 0, "recipe": shared_settings(same)}, {"rank": 1, "recipe": shared_settings(node1)}])
+    with pytest.raises(WorkbenchError, match="train different recipes"):
+        check_same_recipe([{"rank": 0, "recipe": shared_settings(same)}, {"rank": 1, "recipe": shared_settings(other)}])
+
+
+def test_an_npu_run_directory_holds_the_recipe_its_trainer_process_reads(tmp_path):
+    """On an Ascend card the tiny model runs in bf16 (the resolved recipe), while the run directory holds the recipe
+    as loaded (float32, the CPU's); the trainer process re-resolves it: the check that the run's recipe is the one
+    being trained compares the loaded recipe, so the README's NPU smoke run starts."""
+    from workbench.rundir import RunDir
+    from workbench.training.train import _rank_recipe
+
+    loaded = recipe.load("smoke", ["devices.platform=npu", "devices.server=[0]", "devices.trainer=[1]",
+                                   f"monitor.runs_dir={tmp_path}"])
+    run = RunDir.create(loaded, "train")  # as `workbench train` makes it
+    rr = recipe.resolve(loaded, platform="npu", versions=_versions("npu"))
+    assert rr.recipe.server.dtype == "bfloat16" and launch.trainer_placement(rr) == "process"
+    _rank_recipe(rr, run.train.make(), log=lambda *_: None)  # raised "is not the recipe being trained" before
+    again = recipe.resolve(recipe.load(str(run.train.recipe)), platform="npu", versions=_versions("npu"))
+    assert again.recipe.server.dtype == "bfloat16"  # the trainer process resolves the same dtype

@@ -105,3 +105,20 @@ def test_the_servers_key_reaches_no_file_of_a_keyed_training(smoke_run):
     assert f"api_key_env: {SERVER_KEY_ENV}" in run.recipe.read_text()
     leaked = [p for p in run.path.rglob("*") if p.is_file() and p.stat().st_size < 50_000_000 and key in p.read_bytes()]
     assert not leaked, leaked
+
+
+def test_a_secret_in_devices_env_is_not_written_to_ranks_json(hf_token, monkeypatch):
+    """devices.env reaches the trainer processes (a token a reward needs, say); what each rank records of it is
+    redacted by name and by value."""
+    import types
+
+    import torch
+
+    from workbench.training.train import _rank_record
+
+    rr = recipe.resolve(recipe.load("cpu-tiny", [f"devices.env.NOTE=uses {HF}", "devices.env.FLAG=1"]))
+    monkeypatch.setenv("NOTE", f"uses {HF}")
+    monkeypatch.setenv("FLAG", "1")
+    accelerator = types.SimpleNamespace(process_index=0, local_process_index=0, device=torch.device("cpu"))
+    record = _rank_record(rr, accelerator)
+    assert record["env"] == {"NOTE": REDACTED, "FLAG": "1"} and HF not in json.dumps(record)

@@ -232,7 +232,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     rr = _resolved(args)
     if args.sweep:
-        return _sweep(rr, _concurrencies(args.sweep))
+        concurrencies = _concurrencies(args.sweep)
+        evaluate.check_inputs(rr)  # the key: before the run directory and the server
+        return _sweep(rr, concurrencies)
     models = {}
     for item in args.model or []:
         label, sep, path = item.partition("=")

@@ -241,7 +241,8 @@ def check_platform(report: Report, recipe: Recipe, platform: str, devices: list[
         report.add("platform", "device split", FAIL, f"devices.server={sorted(server)}, devices.trainer={sorted(trainer)}: "
                    f"{unit} {missing} do not exist (have {len(devices)})", f"use {unit} 0..{len(devices) - 1}")
     elif overlap and platform != "cpu" and recipe.server.in_process:
-        report.add("platform", "device split", PASS, f"{unit} {overlap}: the trainer with vLLM inside it "
+        inside = "vLLM inside it" if recipe.server.colocated else "TRL's own generation"
+        report.add("platform", "device split", PASS, f"{unit} {overlap}: the trainer with {inside} "
                    f"(server.mode={recipe.server.mode})")
     elif overlap and platform != "cpu":
         report.add("platform", "device split", FAIL, f"{unit} {overlap} given to both server and trainer",

@@ -19,6 +19,7 @@ One layout for every run, whether `workbench run` executed all stages or `workbe
                  vllm-server-<port>.log  checkpoints/ (TRL's, with completions/)  final/  STOP
                  groups/step_NNNNNN.parquet (each step's GRPO groups: completions, rewards, advantages)
                  accelerate.yaml (several ranks)  ranks.json (each rank's process, device and environment)
+                 failure.json (why a trainer process that `workbench train` started stopped, for it to raise)
         eval/    samples.jsonl  summary.json  comparison.md  comparison.png  vllm-server-<port>-<model>.log
                  analysis.json (base vs trained per problem: fixed, broken, breakdowns by category and length)
         bench/   bench.json  bench.md  bench.png  <size>-<path>/ (a training directory per rollout path)
@@ -109,6 +110,7 @@ class TrainDir:
     smoke_checks = property(lambda self: self.path / "smoke_checks.json")
     accelerate_config = property(lambda self: self.path / "accelerate.yaml")
     ranks = property(lambda self: self.path / "ranks.json")
+    failure = property(lambda self: self.path / "failure.json")  # a trainer process's error, raised by its parent
     events = property(lambda self: self.path / "events.jsonl")  # restarts, resumes, canary alarms, failures
     canary = property(lambda self: self.path / "canary.jsonl")  # the weight-parity probe, one line per check
     groups = property(lambda self: self.path / "groups")  # step_NNNNNN.parquet: every GRPO group (training/groups.py)

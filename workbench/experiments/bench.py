@@ -278,6 +278,13 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
 
     for rr in plans.values():
         preflight(rr)
+        # the bench trains in this process: on an accelerator it must already be the trainer role's (its visible
+        # devices set before the device runtime started), or every path would train on the server's first card
+        missing = {k: v for k, v in rr.trainer.env.items() if os.environ.get(k) != v}
+        if rr.platform != "cpu" and missing:
+            exports = " ".join(f"{k}={v}" for k, v in sorted(missing.items()))
+            raise WorkbenchError(f"workbench bench trains in its own process, which lacks the trainer role's "
+                                 f"environment ({exports})", f"run it as: {exports} workbench bench ...")
     run_dir = run_dir or RunDir.create(recipe, "bench")
     stage = run_dir.bench.make()
     bench = Bench(recipe=recipe.name, steps=steps, warmup=warmup, machine=machine(first))

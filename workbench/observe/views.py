@@ -67,7 +67,9 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
                                             f"({trend['slope_mb_per_hour']:+.0f} MB/h)"))
     for rank in data.ranks():
         cores = f", cores {rank['cores']}" if str(rank.get("device", "")).startswith("cpu") else ""
-        out.append((f"trainer rank {rank['rank']}", f"{rank['device']}{cores}, pid {rank['pid']}"))
+        # the physical card (nvidia-smi's / npu-smi's number), not the index inside the rank's visible devices
+        card = f" (card {rank['card']})" if rank.get("card") is not None else ""
+        out.append((f"trainer rank {rank['rank']}", f"{rank['device']}{card}{cores}, pid {rank['pid']}"))
     return out
 
 

@@ -507,7 +507,8 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
             f"set server.max_model_len to at least {needed} (the server would reject long requests with HTTP 400)"))
     platform = recipe.devices.platform
     # Server and trainer cards must differ only where both start on one node: checked by `workbench train`
-    # (training.train.check_device_split), not here, so the server node of a two-node recipe can `workbench serve`.
+    # (training.launch.placement_problems, in the preflight), not here, so the server node of a two-node recipe can
+    # `workbench serve`.
     if recipe.server.managed and platform in ("cuda", "npu"):
         tp_dp = recipe.server.tensor_parallel_size * recipe.server.data_parallel_size
         if tp_dp != len(recipe.devices.server):

@@ -47,6 +47,8 @@ class Resolved:
     server: Role
     trainer: Role
     api_key: str | None = field(default=None, repr=False)
+    # the recipe as loaded, before the platform's adjustments (what a run directory's recipe.yaml holds)
+    source: Recipe | None = field(default=None, repr=False, compare=False)
     trainer_processes: int = 1  # trainer processes per node (more than one: `accelerate launch`)
     server_versions: dict = field(default_factory=dict)  # vllm / vllm_ascend the server runs (or is planned with)
     versions_source: str = "installed"  # installed | recommended row (planning for a machine that is not this one)
@@ -220,7 +222,7 @@ def resolve(recipe: Recipe, platform: str | None = None, versions: dict | None =
             platform = recipe.devices.platform
         else:
             platform = detect_platform()
-    recipe = _for_platform(recipe, platform)
+    loaded, recipe = recipe, _for_platform(recipe, platform)
     key = None
     if recipe.server.api_key_env:
         key = os.environ.get(recipe.server.api_key_env)
@@ -233,4 +235,4 @@ def resolve(recipe: Recipe, platform: str | None = None, versions: dict | None =
     server_role, trainer_role = _roles(recipe, platform, sync)
     return Resolved(recipe=recipe, platform=platform, model_path=model_path(recipe), weight_sync=sync,
                     server_url=server_url(recipe), server=server_role, trainer=trainer_role, api_key=key,
-                    trainer_processes=processes, server_versions=versions, versions_source=source)
+                    trainer_processes=processes, server_versions=versions, versions_source=source, source=loaded)

@@ -1,6 +1,8 @@
-"""One trainer rank under `accelerate launch`: the run's recipe, the already running server, this rank's share.
+"""One trainer process: a rank under `accelerate launch`, or the single trainer `workbench train` starts with the
+trainer role's environment; the run's recipe, the already running server, this process's share.
 
     accelerate launch --config_file RUN/train/accelerate.yaml -m workbench.training.rank --train-dir RUN/train
+    python -m workbench.training.rank --train-dir RUN/train          # the single trainer (launch.trainer_processes)
 
 Started by `workbench train` (workbench/training/train.py) after it has started the run's one server; the command
 is also what a user re-runs by hand on each node. Every rank reads the training's recipe.yaml (its own, or the run's); the server's process id
@@ -9,12 +11,13 @@ comes in WORKBENCH_SERVER_PID (for the device sampler on the main rank).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
-from workbench.rundir import TrainDir
+from workbench.rundir import TrainDir, write_atomic
 
 
 def _deepspeed_cpu_collectives(rr) -> None:
@@ -53,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                     resume_from=Path(args.resume_from) if args.resume_from else None)
     except WorkbenchError as exc:
         print(f"error (rank {os.environ.get('RANK', '?')}): {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # the parent raises it as it is (its class, cause and fix)
+            write_atomic(TrainDir(args.train_dir).failure,
+                         json.dumps({"kind": type(exc).__name__, "cause": exc.cause, "fix": exc.fix}))
         return 2
     return 0
 

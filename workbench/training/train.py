@@ -10,7 +10,9 @@
 One server per run, started here before any trainer rank; with more than one trainer process (the recipe's
 `distributed` section) this node's ranks run under `accelerate launch` (workbench/training/launch.py, rank.py),
 every rank gathers the sharded parameters for a weight push, the main rank pushes and is the only one that
-writes metrics, device samples, completions and summaries.
+writes metrics, device samples, completions and summaries. A single trainer on an accelerator (or with variables
+from devices.env) runs as one child process with the trainer role's environment; its output comes through `log`
+and its error is raised here as it was raised there. On the CPU with nothing to set, it trains in this process.
 
 On the CPU the server is pinned to the server role's cores and this process to the trainer role's: the CPU
 analogue of "four cards serve, four cards train".
@@ -23,6 +25,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +36,7 @@ from workbench.recipe import Resolved
 from workbench.recipe.resolve import VISIBLE_DEVICES
 from workbench.records import append_event, read_jsonl, truncate_after
 from workbench.rundir import TrainDir, recipe_text, write_atomic
+from workbench.secrets import redact
 from workbench.serving import sync
 from workbench.serving.offline import keep_live_weights, prepare_engine_environment
 from workbench.serving.server import VLLMServer, child_setup, popen
@@ -96,11 +100,12 @@ def _pinned_to_trainer_cores(rr: Resolved, local_rank: int | None = None):
 
 
 def shared_settings(rr: Resolved) -> str:
-    """A digest of the recipe settings every rank on every node must share (what is trained, how, on which data,
-    and the distributed layout), less what is each node's own: its node_rank, the main address as it names it,
-    a local data path."""
+    """A digest of the recipe settings every rank on every node must share (the model, what is trained, how, on
+    which data, and the distributed layout), less what is each node's own: its node_rank, the main address as it
+    names it, local data and model directories (the model by its directory's name)."""
     d = rr.recipe.to_dict()
-    shared = {"trainer": d["trainer"], "rewards": d["rewards"], "rollout": d["rollout"],
+    model = {k: v for k, v in d["model"].items() if k != "path"} | {"name": Path(str(d["model"]["path"])).name}
+    shared = {"model": model, "trainer": d["trainer"], "rewards": d["rewards"], "rollout": d["rollout"],
               "data": {k: v for k, v in d["data"].items() if k != "path"},
               "distributed": {k: v for k, v in d["distributed"].items() if k not in ("node_rank", "main_address")}}
     return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -127,8 +132,9 @@ def _rank_record(rr: Resolved, accelerator) -> dict:
     return {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index,
             "pid": os.getpid(), "parent_pid": os.getppid(), "device": str(accelerator.device),
             "card": physical_card(accelerator.device, os.environ.get(visible) if visible else None),
-            "cores": sorted(os.sched_getaffinity(0)), "env": {name: os.environ.get(name) for name in names},
-            "recipe": shared_settings(rr)}
+            "cores": sorted(os.sched_getaffinity(0)),
+            # a devices.env value that looks like a secret (a token passed through to the trainer) is not written
+            "env": redact({name: os.environ.get(name) for name in names}), "recipe": shared_settings(rr)}
 
 
 def check_same_recipe(ranks: list[dict]) -> None:
@@ -292,7 +298,12 @@ def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, s
             + "".join(f", {k}={v}" for k, v in placed.items()) + ")")
     if resume_from is not None:
         cmd += ["--resume-from", str(resume_from)]
-    proc = popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=child_setup())
+    train_dir.failure.unlink(missing_ok=True)
+    # the processes' output through `log`: a notebook that called train() shows it as the in-process trainer's
+    proc = popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                 preexec_fn=child_setup())
+    forward = threading.Thread(target=_forward, args=(proc.stdout, log), name="workbench-trainer-output", daemon=True)
+    forward.start()
     try:
         while True:  # the main rank may ask for a server restart: this process owns the server
             try:
@@ -305,16 +316,37 @@ def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, s
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
         raise
+    finally:
+        forward.join(timeout=10)
     if code != 0:
-        raise WorkbenchError(f"the trainer process(es) exited with status {code}",
-                             f"read the tracebacks above (and {train_dir.log} when started from a notebook)")
+        raise _failure(train_dir) or WorkbenchError(
+            f"the trainer process(es) exited with status {code}",
+            f"read the tracebacks above (and {train_dir.log} when started from a notebook)")
+
+
+def _forward(stream, log) -> None:
+    for raw in iter(stream.readline, b""):
+        log(raw.decode(errors="replace").rstrip("\n"))
+    stream.close()
+
+
+def _failure(train_dir: TrainDir) -> WorkbenchError | None:
+    """The error the trainer process stopped with (rank.py writes it), as the class it was: a lost server or a
+    canary alarm reads the same as when the trainer ran in this process."""
+    try:
+        raw = json.loads(train_dir.failure.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    kind = {"ServerLost": ServerLost, "CanaryAlarm": CanaryAlarm}.get(raw.get("kind"), WorkbenchError)
+    return kind(raw["cause"], raw.get("fix"))
 
 
 def _rank_recipe(rr: Resolved, train_dir: TrainDir, log) -> None:
     """Every rank reads the recipe from disk: it must be this one. Node 0 says how the other nodes start."""
+    loaded = rr.source or rr.recipe  # the platform's adjustments (bf16 on an NPU) are made again by each process
     if not train_dir.recipe.exists():
-        write_atomic(train_dir.own_recipe, recipe_text(rr.recipe))
-    elif train_dir.recipe.read_text() not in (recipe_text(rr.recipe), rr.recipe.to_yaml()):
+        write_atomic(train_dir.own_recipe, recipe_text(loaded))
+    elif train_dir.recipe.read_text() not in (recipe_text(loaded), loaded.to_yaml()):
         raise WorkbenchError(f"{train_dir.recipe} is not the recipe being trained",
                              "train into a new run directory, or train the recipe that run was made with")
     nodes = rr.recipe.distributed.nodes
@@ -341,12 +373,12 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False, ch
     if not checked:
         # the whole GRPOConfig, batch rules, data, rewards, devices and key: before any model build or server start
         preflight(rr)
-    model_path = tinymodel.ensure_model(rr, log=log)
-    tinymodel.check_tokenizer(model_path)
     resume_from = prepare_resume(rr, train_dir, log) if resume else None
     train_dir.make()
-    if own_process:  # every trainer process reads the recipe from disk
+    if own_process:  # every trainer process reads the recipe from disk: checked before the model is built
         _rank_recipe(rr, train_dir, log)
+    model_path = tinymodel.ensure_model(rr, log=log)
+    tinymodel.check_tokenizer(model_path)
     if recipe.distributed.node_rank != 0:
         # another node's ranks: the run's one server and its main rank live on node 0; these ranks only compute
         _run_ranks(rr, train_dir, None, log, resume_from=resume_from)
@@ -356,6 +388,8 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False, ch
         if own_process:
             _run_ranks(rr, train_dir, None, log, resume_from=resume_from)
             summary = TrainSummary.load(train_dir)
+            if summary is None:
+                raise WorkbenchError("the trainer process(es) ended without a train.json", f"read {train_dir.log}")
         else:
             summary = run_trainer(rr, train_dir, model_path, None, None, log=log, resume_from=resume_from)
         log(f"done: {summary.steps} steps in {summary.train_seconds:.0f}s (generation: {recipe.server.mode}); "

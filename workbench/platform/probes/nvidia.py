@@ -4,8 +4,9 @@ The recipe's device ids are physical GPU ids, the numbers `nvidia-smi` shows: th
 each role's CUDA_VISIBLE_DEVICES together with CUDA_DEVICE_ORDER=PCI_BUS_ID (workbench/recipe/resolve.py), so CUDA
 numbers the cards as NVML does (PCI bus order; CUDA's own default is fastest first). NVML enumerates every GPU of the
 machine whatever CUDA_VISIBLE_DEVICES says, so the probe looks each id up with nvmlDeviceGetHandleByIndex and never
-reads the sampling process's own visible list (the trainer's cards: a server card is not in it). An id may also be a
-GPU or MIG UUID (`GPU-…`, `MIG-…`, as `nvidia-smi -L` prints them), looked up with nvmlDeviceGetHandleByUUID.
+reads the sampling process's own visible list (the trainer's cards: a server card is not in it). The probe also
+takes a GPU or MIG UUID (`GPU-…`, `MIG-…`, as `nvidia-smi -L` prints them; looked up with nvmlDeviceGetHandleByUUID)
+for callers that have one; recipes hold numbers only (devices.* are lists of ints).
 Samples are labelled `gpu:<id>` and carry the card's `uuid`; a MIG instance reports memory but no utilization
 (`util_pct` None). Where the sampling process's CUDA_DEVICE_ORDER is not PCI_BUS_ID, CUDA may have given the ids to
 other cards than NVML's on a machine with mixed GPU models: the probe says so in `warnings`, which the sampler
