@@ -17,7 +17,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, workbench_command
+from conftest import REPO, SERVER_KEY_ENV, workbench_command
 from workbench.errors import WorkbenchError
 from workbench.observe import compare, figures
 from workbench.rundir import RunDir
@@ -30,7 +30,10 @@ CHANGED = {"trainer.report_to": ("tensorboard", "none"), "trainer.learning_rate"
            "monitor.groups_per_step": (8, 16), "monitor.sample_interval_s": (1.0, 0.25),
            "rewards.short.function": ("lab_rewards:brevity", compare.ABSENT), "rewards.short.weight": (0.1, compare.ABSENT),
            "rewards.short.args.limit": (60, compare.ABSENT), "server.mode": ("attach", "managed"),
-           "server.url": ("the session server's URL", None)}
+           "server.url": ("the session server's URL", None),
+           # the smoke run trains against the keyed session server, its trainer in a child process (devices.env)
+           "server.api_key_env": (SERVER_KEY_ENV, None), "devices.env.WORKBENCH_TEST_ROLE": ("trainer", compare.ABSENT),
+           "devices.env": (compare.ABSENT, {})}  # the other run's empty section is a value of its own when flattened
 
 
 # ----------------------------------------------------------------------------------------------------------------

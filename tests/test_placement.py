@@ -246,7 +246,7 @@ def test_recipe_show_check_builds_every_shipped_recipe(name, capsys):
 
 
 @pytest.mark.parametrize("device,visible,card", [
-    ("cuda:1", "4,5,6,7", 5), ("cuda:0", None, 0), ("cuda:3", "0,2,4,6", 6), ("cpu", "4,5", None),
+    ("cuda:1", "4,5,6,7", 5), ("cuda:0", None, 0), ("cuda:3", "0,2,4,6", 6), ("cpu", "4,5", None), ("cpu:0", None, None),
     ("cuda:0", "GPU-0000aaaa", "GPU-0000aaaa"), ("cuda:4", "4,5", None),
 ])
 def test_ranks_json_records_the_physical_card(device, visible, card):

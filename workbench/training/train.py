@@ -115,8 +115,8 @@ def physical_card(device, visible: str | None) -> int | str | None:
     """The physical card a process's device is: its index into the visible-devices list the driver was given (the
     whole machine's numbering when none was)."""
     index = getattr(device, "index", None)
-    if index is None:
-        return None  # the CPU: the cores say where it runs
+    if index is None or getattr(device, "type", "cpu") == "cpu":
+        return None  # the CPU (a rank's device is cpu:0 under accelerate): the cores say where it runs
     ids = [v.strip() for v in (visible or "").split(",") if v.strip()]
     if not ids:
         return index
