@@ -37,6 +37,7 @@ from workbench.recipe import Resolved, load, resolve
 from workbench.records import read_jsonl
 from workbench.rundir import RunDir, StageDir, TrainDir, write_atomic
 from workbench.tasks import dataset
+from workbench.training import launch
 from workbench.training.config import preflight
 
 SERVED = ("server", "async")  # the paths that share one managed server (and its saturation sweep)
@@ -280,7 +281,7 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
         preflight(rr)
         # the bench trains in this process: on an accelerator it must already be the trainer role's (its visible
         # devices set before the device runtime started), or every path would train on the server's first card
-        missing = {k: v for k, v in rr.trainer.env.items() if os.environ.get(k) != v}
+        missing = launch.role_env_missing(rr)
         if rr.platform != "cpu" and missing:
             exports = " ".join(f"{k}={v}" for k, v in sorted(missing.items()))
             raise WorkbenchError(f"workbench bench trains in its own process, which lacks the trainer role's "

@@ -173,8 +173,12 @@ def trainer_placement(rr: Resolved) -> str:
     that this process lacks) or 'here' (in this process: the CPU, nothing to set)."""
     if rr.trainer_processes > 1 or rr.recipe.distributed.nodes > 1:
         return "accelerate"
-    missing = {k: v for k, v in rr.trainer.env.items() if os.environ.get(k) != v}
-    return "process" if (rr.platform != "cpu" or missing) else "here"
+    return "process" if (rr.platform != "cpu" or role_env_missing(rr)) else "here"
+
+
+def role_env_missing(rr: Resolved) -> dict[str, str]:
+    """The trainer role's variables this process does not have (with their values)."""
+    return {k: v for k, v in rr.trainer.env.items() if os.environ.get(k) != v}
 
 
 def rank_environment(rr: Resolved, server_pid: int | None = None) -> dict[str, str]:
