@@ -57,6 +57,43 @@ def test_sharded_weights_cannot_be_pushed_by_one_rank(tmp_path):
     assert "workbench train --resume" in str(lost.value)
 
 
+def test_a_read_timeout_mid_body_is_a_hang_without_asking_health(tmp_path):
+    """A server that sends its headers then stops (a SIGSTOPped vLLM mid-answer): requests raises ConnectionError, not
+    Timeout, when the body read times out; the recovery names it a timeout and restarts without a health check."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    held = []
+
+    def serve():
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{")  # then nothing
+        held.append(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    with pytest.raises(requests.RequestException) as raised:
+        requests.get(f"http://127.0.0.1:{listener.getsockname()[1]}/", timeout=0.5).json()
+    assert not isinstance(raised.value, requests.Timeout)  # how requests wraps it: the case the recovery must know
+    recovery, train_dir = _recovery(tmp_path)
+    recovery.repush = lambda: None
+    health = []
+    import workbench.training.recovery as module
+    original, module.server_healthy = module.server_healthy, lambda *a, **k: health.append(1) or False
+    try:
+        recovery.handle(_Client(), "canary", raised.value)
+    finally:
+        module.server_healthy = original
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert health == [] and recovery.restarts == 1
+    fault = read_jsonl(train_dir.events, normalised=False)[0]
+    assert fault["kind"] == "server_fault" and "Timeout: " in fault["message"], fault
+
+
 def test_errors_of_a_live_server_are_not_faults(tmp_path):
     recovery, _ = _recovery(tmp_path)
     recovery.repush = lambda: None

@@ -24,6 +24,7 @@ import time
 from typing import Callable
 
 import requests
+import urllib3
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
@@ -38,6 +39,15 @@ class ServerLost(WorkbenchError):
 
 def resume_hint(train_dir: TrainDir) -> str:
     return f"fix the server's cause (its log is in {train_dir.path}), then resume: workbench train --resume {train_dir.path.parent}"
+
+
+def timed_out(exc: BaseException) -> bool:
+    """A request that timed out. requests raises its Timeout for a connect or header timeout, but a read timeout while
+    the body streams arrives as ConnectionError wrapping urllib3's ReadTimeoutError (requests/models.py iter_content)."""
+    if isinstance(exc, requests.Timeout):
+        return True
+    cause = exc.args[0] if isinstance(exc, requests.ConnectionError) and exc.args else None
+    return isinstance(cause, urllib3.exceptions.ReadTimeoutError) or "Read timed out" in str(exc)
 
 
 def server_healthy(url: str, headers: dict | None = None, timeout: float = 5.0) -> bool:
@@ -64,7 +74,7 @@ class Recovery:
 
     def is_fault(self, exc: BaseException) -> bool:
         """A timeout is a hung server; any other failure counts only when /health no longer answers."""
-        if isinstance(exc, requests.Timeout):
+        if timed_out(exc):
             return True
         if isinstance(exc, WorkbenchError) and not isinstance(exc, ServerLost) and "answered HTTP 5" not in str(exc):
             return False  # our own checks (a refused reset, a bad reload answer from a live server)
@@ -76,7 +86,8 @@ class Recovery:
         if self._busy or not self.is_fault(exc):
             raise exc
         step = self.step()
-        cause = f"{type(exc).__name__}: {str(exc)[:200]}"
+        kind = "Timeout" if timed_out(exc) else type(exc).__name__  # one word for a hang, however requests wraps it
+        cause = f"{kind}: {str(exc)[:200]}"
         append_event(self.train_dir.events, "server_fault", f"{what} failed at step {step}: {cause}", step=step)
         self.log(f"server fault during {what} at step {step} ({cause})")
         if self.repush is None:
