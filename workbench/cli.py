@@ -172,6 +172,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from workbench.training import export  # lazy: peft, transformers
+
+    export.export(RunDir.open(args.run_dir), args.out, merge=args.merge)
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from workbench import plan  # lazy: yaml
 
@@ -388,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
             recipe=None)
     p.add_argument("--run-dir", help="train into this run directory (its recipe.yaml when it has one)")
     p.add_argument("--resume", metavar="RUN", help="continue the run's training from its newest checkpoint")
+    p = add("export", "write a run's trained model as a Hugging Face directory (--merge: a LoRA adapter merged in)",
+            "workbench.training.export", cmd_export, run_dir=True)
+    p.add_argument("--merge", action="store_true", help="merge the run's LoRA adapter into its base model")
+    p.add_argument("--out", metavar="DIR", help="where the model goes (default: RUN/train/merged)")
     add("plan", "what each node runs: commands, environment, devices, ports, memory per device", "workbench.plan",
         cmd_plan)
     add("stop", "ask a training run to checkpoint and stop after its current step", "workbench.training.callbacks",

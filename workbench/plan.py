@@ -117,6 +117,12 @@ def trainer_memory(rr: Resolved, shape: ModelShape, card: float, checkpointing: 
     parts = {"weights": p * w / shard_w, "gradients": p * w / shard_grad, "optimizer": p * optimizer_bytes / shard_opt}
     if float(t.get("beta", 0.0)) > 0:
         parts["reference model"] = p * w / shard_w
+    adapter = lora_params(rr, shape) if rr.recipe.lora else 0.0
+    if adapter:
+        # frozen base weights; peft keeps the adapter in float32, whose gradients and AdamW moments are all that
+        # trains; no reference model: TRL scores the reference with the adapter disabled
+        parts = {"weights (frozen)": p * w / shard_w, "adapter": adapter * 4, "gradients": adapter * 4 / shard_grad,
+                 "optimizer": adapter * 8 / shard_opt}
     prompt = rr.recipe.data.max_prompt_length
     tokens = int(t.get("per_device_train_batch_size", 8)) * (prompt + rr.recipe.max_completion_length)
     full_layer = tokens * shape.hidden * 34  # per layer, bf16, flash attention (no seq² term)
@@ -125,10 +131,38 @@ def trainer_memory(rr: Resolved, shape: ModelShape, card: float, checkpointing: 
     else:
         parts["activations"] = full_layer * shape.layers
     parts["logits"] = tokens * shape.vocab * 4 * 2  # fp32 logits and log-softmax for the completion log-probs
-    notes = [f"{rr.trainer_processes} rank(s)/node × {d.nodes} node(s), strategy {d.strategy}"
+    if adapter:
+        notes = [f"LoRA rank {rr.recipe.lora_rank}: {adapter / 1e6:.2f}M adapter parameters ({adapter / p:.2%} of the "
+                 "model) train; each weight push moves the adapter alone"]
+    else:
+        notes = []
+    notes += [f"{rr.trainer_processes} rank(s)/node × {d.nodes} node(s), strategy {d.strategy}"
              + (f" ZeRO-{d.zero_stage}" if d.strategy == "deepspeed" else "")
              + f", micro-batch {tokens} tokens, gradient checkpointing {'on' if checkpointing else 'off'}"]
     return Memory("trainer", parts, card, notes)
+
+
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # peft's default for Qwen2 and Llama when target_modules is unset
+
+
+def lora_params(rr: Resolved, shape: ModelShape) -> float:
+    """Adapter parameters of the recipe's peft: section: rank × (in + out) for each targeted projection of each
+    layer (a decoder of the Qwen2 / Llama layout; other names count nothing)."""
+    import re
+
+    h, hd, inter = shape.hidden, shape.head_dim, shape.intermediate
+    dims = {"q_proj": (h, shape.heads * hd), "k_proj": (h, shape.kv_heads * hd), "v_proj": (h, shape.kv_heads * hd),
+            "o_proj": (shape.heads * hd, h), "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    targets = rr.recipe.peft.get("target_modules")
+    if targets == "all-linear":
+        names = list(dims)
+    elif targets is None:
+        names = list(LORA_DEFAULT_TARGETS)
+    elif isinstance(targets, str):  # peft: a regular expression matched against the full module name
+        names = [n for n in dims if re.fullmatch(targets, f"model.layers.0.x.{n}") or re.search(targets, n)]
+    else:
+        names = [n for n in dims if any(n == t or n.endswith(f".{t}") or t.endswith(n) for t in targets)]
+    return float(shape.layers * sum(rr.recipe.lora_rank * sum(dims[n]) for n in names))
 
 
 def server_memory(rr: Resolved, shape: ModelShape, card: float) -> Memory:

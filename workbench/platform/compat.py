@@ -84,6 +84,9 @@ SYNC_NEEDS = {  # weight-sync adapter -> the capability it needs, per platform
     ("npu", "reload"): "npu_reload_weights",
     ("cpu", "reload"): "reload_weights",
     ("cuda", "reload"): "reload_weights",
+    ("cpu", "lora"): "runtime_lora",
+    ("cuda", "lora"): "runtime_lora",
+    ("npu", "lora"): "npu_runtime_lora",
 }
 
 
@@ -98,7 +101,8 @@ def _at_least(version: str | None, since: str) -> bool:
 def capabilities(versions: dict) -> dict[str, bool]:
     """Each capability of compat.yaml, for installed (or planned) versions {'vllm': ..., 'vllm_ascend': ...}."""
     caps = matrix()["capabilities"]
-    return {name: _at_least(versions.get(spec["package"]), spec["since"]) for name, spec in caps.items()}
+    return {name: _at_least(versions.get(spec["package"]), spec["since"])
+            and versions.get(spec["package"]) not in spec.get("broken", ()) for name, spec in caps.items()}
 
 
 def capability_since(name: str) -> str:
@@ -121,8 +125,9 @@ def sync_support(platform: str, method: str, versions: dict) -> tuple[bool, str]
     have = versions.get(package) or "not installed"
     able = [r for r in [recommended(), *rows()] if capabilities(r).get(need)]
     row = f"; the row vllm-ascend {able[0]['vllm_ascend']} / vLLM {able[0]['vllm']} can" if able and platform == "npu" else ""
+    broken = " (broken in that release)" if have in matrix()["capabilities"][need].get("broken", ()) else ""
     return False, (f"server.weight_sync={method} on {platform} needs {capability_since(need)} ({need}); "
-                   f"{package.replace('_', '-')} is {have}{row}")
+                   f"{package.replace('_', '-')} is {have}{broken}{row}")
 
 
 def auto_sync(platform: str, versions: dict) -> str:

@@ -26,7 +26,7 @@ import yaml
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import trl_fields
-from workbench.recipe.schema import ANALYSIS_COLUMNS, SECTIONS, Recipe
+from workbench.recipe.schema import ANALYSIS_COLUMNS, DERIVED_PEFT_KEYS, SECTIONS, VLLM_LORA_RANKS, Recipe
 from workbench.tasks import rewardspec
 from workbench.tasks.arithmetic import CATEGORIES, SPLITS
 from workbench.tasks.dataset import DATASETS, FIELD_KEYS, KNOWN
@@ -362,6 +362,52 @@ def _ranges(recipe: Recipe) -> list[WorkbenchError]:
     return [p for p in out if p is not None]
 
 
+def _peft(recipe: Recipe) -> list[WorkbenchError]:
+    """The peft: section against peft.LoraConfig (read from peft's source), and what an adapter sync needs."""
+    out, s = [], recipe.server
+    if s.weight_sync == "lora" and not recipe.lora:
+        out.append(WorkbenchError("server.weight_sync is 'lora' but the recipe has no peft: section",
+                                  "add peft: {r: 16, lora_alpha: 32, target_modules: all-linear}, or choose another "
+                                  "server.weight_sync"))
+    if not recipe.lora:
+        return out
+    known = trl_fields.lora_names()
+    for key, value in recipe.peft.items():
+        if key in DERIVED_PEFT_KEYS:
+            out.append(WorkbenchError(f"peft.{key} is set by the workbench", f"drop peft.{key}"))
+        elif key not in known:
+            out.append(WorkbenchError(f"unknown recipe key 'peft.{key}' (not a peft.LoraConfig argument)",
+                                      _closest(key, known)))
+        elif (why := trl_fields.lora_type_problem(key, value)) is not None:
+            out.append(WorkbenchError(f"peft.{key} {why}", f"give peft.{key} a value of that type"))
+    if out:
+        return out
+    rank = recipe.lora_rank
+    if rank < 1:
+        out.append(WorkbenchError(f"peft.r is {rank}", "set peft.r to 1 or more, e.g. 16"))
+    adapter_sync = s.weight_sync in ("auto", "lora") and s.uses_vllm
+    if adapter_sync and s.max_lora_rank is not None and s.max_lora_rank not in VLLM_LORA_RANKS:
+        out.append(WorkbenchError(f"server.max_lora_rank is {s.max_lora_rank}, which vLLM does not accept",
+                                  f"use one of {list(VLLM_LORA_RANKS)}, or null for the smallest that holds peft.r"))
+    elif adapter_sync and rank > recipe.served_lora_rank:
+        out.append(WorkbenchError(f"peft.r={rank} is above the server's LoRA rank limit (server.max_lora_rank="
+                                  f"{recipe.served_lora_rank}): vLLM refuses the adapter at its first push",
+                                  f"set server.max_lora_rank to {next((r for r in VLLM_LORA_RANKS if r >= rank), 512)}"
+                                  " or more (or null), or lower peft.r"))
+    if adapter_sync and s.lora_slots < 2:
+        out.append(WorkbenchError(f"server.lora_slots is {s.lora_slots}",
+                                  "a run holds two adapters while it swaps versions: set server.lora_slots to 2 or more"))
+    dist = recipe.distributed
+    if adapter_sync and (dist.strategy == "fsdp" or (dist.strategy == "deepspeed" and dist.zero_stage == 3)):
+        out.append(WorkbenchError(f"peft: with distributed.strategy={dist.strategy}"
+                                  f"{' zero_stage=3' if dist.strategy == 'deepspeed' else ''}: the adapter sync saves "
+                                  "the adapter from the main rank, which holds only a shard of it",
+                                  "use distributed.strategy ddp or deepspeed with zero_stage 1 or 2 (the adapter is "
+                                  "small), or server.weight_sync reload/nccl/hccl to push the merged weights"))
+    out.append(_at_least("server.lora_stale_s", s.lora_stale_s, 0, strict=True))
+    return [p for p in out if p is not None]
+
+
 def _rollout(recipe: Recipe) -> list[WorkbenchError]:
     """What an overlapped (async) rollout needs: a server to overlap with, one generation per optimizer step, and
     TRL's importance-sampling correction for the step-old samples."""
@@ -492,6 +538,7 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
         problems.append(WorkbenchError("server.mode is 'attach' but server.url is not set",
                                        "set server.url to the running server, e.g. http://127.0.0.1:8000"))
     problems += _rollout(recipe)
+    problems += _peft(recipe)
     problems += _ranges(recipe)
     problems += _data(recipe)
     problems += _breakdown(recipe)

@@ -108,14 +108,15 @@ def weight_sync(recipe: Recipe, platform: str, versions: dict | None = None) -> 
     versions = versions if versions is not None else server_versions(platform)[0]
     method = recipe.server.weight_sync
     if method == "auto":
-        method = compat.auto_sync(platform, versions)
-    if method == "reload" and recipe.server.attached and not recipe.server.sync_dir:
+        # an adapter run pushes the adapter alone (about 1% of the bytes) where the server loads adapters at run time
+        method = "lora" if recipe.lora else compat.auto_sync(platform, versions)
+    if method in ("reload", "lora") and recipe.server.attached and not recipe.server.sync_dir:
         from urllib.parse import urlparse
 
         host = urlparse(recipe.server.url or "").hostname or ""
         if host not in ("localhost", "127.0.0.1", "::1") and not host.startswith("127."):
-            raise WorkbenchError(f"server.weight_sync=reload with a server on another machine ({host}): the reload "
-                                 "writes the weights to a directory the server reads, which must be one both "
+            raise WorkbenchError(f"server.weight_sync={method} with a server on another machine ({host}): the "
+                                 "trainer writes the weights to a directory the server reads, which must be one both "
                                  "machines see", "set server.sync_dir to a shared directory (NFS) mounted at the same "
                                  "path on both, or use the nccl / hccl weight sync, which crosses nodes")
     ok, why = compat.sync_support(platform, method, versions)

@@ -19,7 +19,8 @@ import yaml
 
 from workbench.recipe.trl_fields import default
 
-SECTIONS = ("model", "data", "server", "rollout", "trainer", "rewards", "devices", "distributed", "monitor", "eval")
+SECTIONS = ("model", "data", "server", "rollout", "trainer", "peft", "rewards", "devices", "distributed", "monitor",
+            "eval")
 
 
 
@@ -88,12 +89,19 @@ class ServerConfig:
     kv_cache_space_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
     api_key_env: str | None = None  # name of the environment variable holding the API key, never the key
     startup_timeout_s: float = 300.0
-    weight_sync: Literal["auto", "nccl", "hccl", "reload", "none"] = "auto"
+    # auto: lora when the recipe has a peft: section, else nccl on CUDA, hccl on Ascend, reload elsewhere
+    weight_sync: Literal["auto", "nccl", "hccl", "reload", "lora", "none"] = "auto"
     sync_dir: str | None = None  # reload adapter's directory (only the workbench's files in it); default /dev/shm
     allow_remote_weight_updates: bool = False  # a non-loopback host that takes weight pushes: opt in, with a key
     max_restarts: int = 2  # a server that dies or hangs during training is restarted this often, then the run stops
     request_timeout_s: float = 600.0  # a generation request unanswered this long counts as a hung server
     extra_args: list[str] = field(default_factory=list)  # more vLLM flags, passed as they are
+    # LoRA serving (weight_sync lora, or `workbench serve --for-training` with a peft: section): vLLM's runtime
+    # adapters. Each training run holds one adapter, two for a moment while it swaps versions; several runs may
+    # share the server (--max-loras and --max-cpu-loras are both lora_slots)
+    lora_slots: int = 4
+    max_lora_rank: int | None = None  # None: the smallest rank vLLM accepts that holds peft.r
+    lora_stale_s: float = 1800.0  # an adapter of a shared server not re-pushed this long is a dead run's: unloaded
     env: dict[str, str] = field(default_factory=dict)  # more environment variables for the server only
 
     # The questions code asks about the mode, by name.
@@ -204,6 +212,13 @@ class EvalConfig:
     breakdown: list[str] = field(default_factory=list)
 
 
+# --max-lora-rank values vLLM accepts (vllm/config/lora.py MaxLoRARanks, 0.23.0 to 0.32.0)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# LoraConfig arguments the workbench sets itself (the task and the base model are the recipe's)
+DERIVED_PEFT_KEYS = ("task_type", "peft_type", "base_model_name_or_path", "revision", "inference_mode",
+                     "peft_version", "auto_mapping")
+
+
 @dataclass
 class Recipe:
     name: str = "custom"
@@ -213,6 +228,9 @@ class Recipe:
     server: ServerConfig = field(default_factory=ServerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: dict[str, Any] = field(default_factory=dict)  # trl.GRPOConfig arguments, checked against it
+    # peft.LoraConfig arguments (r, lora_alpha, lora_dropout, target_modules, ...), checked against it; empty: full
+    # fine-tuning. With it the trainer trains an adapter and the server samples under it (server.weight_sync lora)
+    peft: dict[str, Any] = field(default_factory=dict)
     # name: weight, or name: {function: module:function, weight, args} (workbench/tasks/rewardspec.py)
     rewards: dict[str, Any] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.2})
     devices: DevicesConfig = field(default_factory=DevicesConfig)
@@ -225,6 +243,25 @@ class Recipe:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False, width=110)
+
+    @property
+    def lora(self) -> bool:
+        """The trainer trains a LoRA adapter (a peft: section)."""
+        return bool(self.peft)
+
+    @property
+    def lora_rank(self) -> int:
+        """The largest adapter rank the recipe trains (peft.r and any rank_pattern entry)."""
+        pattern = self.peft.get("rank_pattern") or {}
+        ranks = [self.peft.get("r", 8), *(pattern.values() if isinstance(pattern, dict) else [])]
+        return max(int(r) for r in ranks if isinstance(r, int) and not isinstance(r, bool)) if ranks else 8
+
+    @property
+    def served_lora_rank(self) -> int:
+        """--max-lora-rank of a server this recipe starts: server.max_lora_rank, else vLLM's smallest that fits."""
+        if self.server.max_lora_rank is not None:
+            return self.server.max_lora_rank
+        return next((r for r in VLLM_LORA_RANKS if r >= self.lora_rank), VLLM_LORA_RANKS[-1])
 
     @property
     def max_completion_length(self) -> int:

@@ -1,8 +1,9 @@
-"""The arguments `trl.GRPOConfig` accepts, read from the installed TRL's source without importing it.
+"""The arguments `trl.GRPOConfig` (and `peft.LoraConfig`) accept, read from the installed sources without importing.
 
     from workbench.recipe import trl_fields
     trl_fields.names()                        # {'learning_rate', 'num_generations', 'max_completion_length', ...}
     trl_fields.default("max_completion_length")
+    trl_fields.lora_names()                   # {'r', 'lora_alpha', 'target_modules', ...}: the recipe's peft: keys
 
 Checking a recipe's `trainer:` keys must not cost an import of TRL (and with it torch and transformers, several
 seconds): `workbench recipe show`, `report` and `advise` stay light. So the dataclass fields of GRPOConfig and of
@@ -125,7 +126,27 @@ def type_problem(name: str, value: Any) -> str | None:
 
     A YAML float where an int is declared (`max_steps: 1e3`) and a string where a number is declared
     (`max_completion_length: abc`) are caught here, before TRL or the model is loaded."""
-    wanted = annotation(name)
+    return _annotation_problem(annotation(name), value, "trl.GRPOConfig")
+
+
+def _annotation_problem(wanted: str, value: Any, owner: str) -> str | None:
+    if wanted.startswith(("Optional[", "Union[")):  # peft writes typing's spelling: Optional[X] is X | None
+        inner = wanted[wanted.index("[") + 1:-1]
+        if wanted.startswith("Optional["):
+            if value is None:
+                return None
+            wanted_options = [inner]
+        else:
+            wanted_options = _split_top(inner)
+        if any(_annotation_problem(option, value, owner) is None for option in wanted_options):
+            return None
+        return f"is {value!r} ({type(value).__name__}), {owner} declares {wanted}"
+    if wanted.startswith("Literal[") and "|" not in wanted:
+        try:
+            allowed = ast.literal_eval(f"[{wanted[len('Literal['):-1]}]")
+        except (ValueError, SyntaxError):
+            return None
+        return None if value in allowed else f"is {value!r}, {owner} accepts one of {allowed}"
     for option in (part.strip() for part in wanted.split("|")):
         base = option.split("[", 1)[0]
         if option == "Literal[False]":
@@ -136,7 +157,19 @@ def type_problem(name: str, value: Any) -> str | None:
         if bool in accepted or not isinstance(value, bool):  # True is an int to Python, not to a recipe
             if isinstance(value, accepted):
                 return None
-    return f"is {value!r} ({type(value).__name__}), trl.GRPOConfig declares {wanted}"
+    return f"is {value!r} ({type(value).__name__}), {owner} declares {wanted}"
+
+
+def _split_top(text: str) -> list[str]:
+    """'list[str], str' -> ['list[str]', 'str']: commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return parts + [text[start:].strip()]
 
 
 def names() -> set[str]:
@@ -148,3 +181,28 @@ def default(name: str) -> Any:
     if value is MISSING:
         raise KeyError(f"GRPOConfig.{name} has no literal default")
     return value
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# peft.LoraConfig: the recipe's peft: section
+
+@functools.lru_cache(maxsize=1)
+def _read_lora() -> dict[str, tuple[Any, str]]:
+    found = _class_fields("peft.tuners.lora.config", "LoraConfig", set())
+    if "r" not in found or "lora_alpha" not in found:
+        raise WorkbenchError("cannot read peft.LoraConfig's arguments from the installed peft",
+                             "install the project (make install): peft is a dependency")
+    return found
+
+
+def lora_names() -> set[str]:
+    return set(_read_lora())
+
+
+def lora_default(name: str) -> Any:
+    return _read_lora()[name][0]
+
+
+def lora_type_problem(name: str, value: Any) -> str | None:
+    """Why `value` cannot be LoraConfig's `name`, or None when it can (or its annotation is a class of peft's)."""
+    return _annotation_problem(_read_lora()[name][1], value, "peft.LoraConfig")

@@ -53,6 +53,69 @@ def check_key(rr: Resolved) -> None:
         served_models(rr)  # a missing or wrong key: one line naming server.api_key_env
 
 
+LORA_PREFIX = "wbl."  # the workbench's adapter names on a server: wbl.<run tag>.s<step>.t<unix time>
+
+
+def adapter_pushed_at(name: str) -> float | None:
+    """When a workbench adapter was pushed (from its name); None for any other model or adapter name."""
+    if not name.startswith(LORA_PREFIX):
+        return None
+    last = name.rsplit(".", 1)[-1]
+    return float(last[1:]) if last.startswith("t") and last[1:].isdigit() else None
+
+
+def lora_server(url: str, headers: dict, rank: int, timeout: float = 30.0) -> dict | None:
+    """What a server says of its LoRA settings (`/server_info?config_format=json`, a development endpoint):
+    {'max_lora_rank', 'slots'}; an error line when it serves no LoRA, loads none at run time, or takes a lower rank;
+    None when it does not tell (a release without the JSON form: the recipe's values are all there is)."""
+    try:
+        response = requests.get(f"{url}/server_info", params={"config_format": "json"}, headers=headers,
+                                timeout=timeout)
+        info = response.json() if response.status_code == 200 else {}
+    except (requests.RequestException, ValueError):
+        return None
+    config = info.get("vllm_config")
+    if not isinstance(config, dict):
+        return None
+    lora = config.get("lora_config")
+    if not lora:
+        raise WorkbenchError(f"the server at {url} was started without LoRA (--enable-lora), so it cannot load the "
+                             "run's adapter", "start it from a recipe with a peft: section (managed, or `workbench "
+                             "serve --for-training`), or choose another server.weight_sync")
+    if str((info.get("vllm_env") or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() not in ("1", "true"):
+        raise WorkbenchError(f"the server at {url} serves LoRA but loads no adapter at run time "
+                             "(VLLM_ALLOW_RUNTIME_LORA_UPDATING is not set)",
+                             "restart it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (the workbench sets it for the servers "
+                             "it starts for training)")
+    limit = int(lora.get("max_lora_rank") or 0)
+    if limit and rank > limit:
+        raise WorkbenchError(f"peft.r={rank} is above the server's --max-lora-rank {limit}",
+                             f"lower peft.r to {limit} or less, or restart the server with server.max_lora_rank "
+                             f"of {rank} or more")
+    return {"max_lora_rank": limit, "slots": int(lora.get("max_cpu_loras") or lora.get("max_loras") or 0)}
+
+
+def check_lora_room(rr: Resolved, need: int = 2, own: str | None = None) -> None:
+    """Before a LoRA run takes a slot on an attached (shared) server: it loads adapters at run time, of this rank,
+    and has `need` slots free once the adapters of dead runs (not re-pushed for server.lora_stale_s) are counted
+    out. One clear line otherwise, before any model is built."""
+    import time
+
+    s = rr.recipe.server
+    told = lora_server(rr.server_url, rr.headers, rr.recipe.lora_rank)
+    slots = (told or {}).get("slots") or s.lora_slots
+    now = time.time()
+    held = [m["id"] for m in served_models(rr) if m.get("parent")]
+    live = [n for n in held if n != own and not (
+        (pushed := adapter_pushed_at(n)) is not None and now - pushed >= s.lora_stale_s)]
+    if len(live) + need > slots:
+        raise WorkbenchError(
+            f"the server at {rr.server_url} holds {len(live)} adapter(s) of other runs "
+            f"({', '.join(live[:4])}{' ...' if len(live) > 4 else ''}) and has {slots} LoRA slots; a run needs {need}",
+            "wait for a run to finish, start the shared server with more server.lora_slots, or lower "
+            "server.lora_stale_s so that dead runs' adapters are freed sooner")
+
+
 def served_entry(rr: Resolved, url: str | None = None) -> dict:
     """The /v1/models entry of the recipe's served name, or an error listing the names the server does serve."""
     url = url or rr.server_url
@@ -87,10 +150,13 @@ def verify(rr: Resolved, url: str | None = None) -> dict:
     return entry
 
 
-def sequence_logprobs(rr: Resolved, token_ids: list[int], url: str | None = None) -> list[float]:
-    """The server's log-probability of each token of `token_ids` after the first (teacher forcing, temperature 1).
-    Unanswered after server.request_timeout_s, the server counts as hung (the canary asks after every push)."""
-    body = {"model": rr.recipe.server.served_model_name, "prompt": [token_ids], "max_tokens": 1, "temperature": 1.0,
+def sequence_logprobs(rr: Resolved, token_ids: list[int], url: str | None = None, model: str | None = None
+                      ) -> list[float]:
+    """The server's log-probability of each token of `token_ids` after the first (teacher forcing, temperature 1),
+    under `model` (an adapter's name on a LoRA server; default the served model). Unanswered after
+    server.request_timeout_s, the server counts as hung (the canary asks after every push)."""
+    body = {"model": model or rr.recipe.server.served_model_name, "prompt": [token_ids], "max_tokens": 1,
+            "temperature": 1.0,
             "prompt_logprobs": 0}
     response = requests.post(f"{url or rr.server_url}/v1/completions", json=body, headers=rr.headers,
                              timeout=rr.recipe.server.request_timeout_s)

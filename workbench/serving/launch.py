@@ -70,6 +70,10 @@ def command(rr: Resolved, model_path: str) -> list[str]:
         cmd += ["--enforce-eager"]
     # TRL's importance-sampling correction compares the trainer's logprobs with the server's after temperature.
     cmd += ["--logprobs-mode", "processed_logprobs"]
+    if serves_lora(rr):
+        # one slot per adapter held at once (a run holds two while it swaps versions); all of them kept loaded
+        cmd += ["--enable-lora", "--max-lora-rank", str(rr.recipe.served_lora_rank),
+                "--max-loras", str(s.lora_slots), "--max-cpu-loras", str(s.lora_slots)]
     if rr.weight_sync == "nccl":
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     elif rr.weight_sync == "hccl":
@@ -77,6 +81,11 @@ def command(rr: Resolved, model_path: str) -> list[str]:
 
         cmd += ["--weight-transfer-config", json.dumps({"backend": compat.hccl_backend_name()})]
     return cmd + list(s.extra_args)
+
+
+def serves_lora(rr: Resolved) -> bool:
+    """The server loads adapters: the recipe trains one and pushes it alone (weight_sync lora)."""
+    return rr.recipe.lora and rr.weight_sync == "lora"
 
 
 def environment(rr: Resolved, for_training: bool = False) -> dict[str, str]:
@@ -93,9 +102,12 @@ def environment(rr: Resolved, for_training: bool = False) -> dict[str, str]:
     env.update({name: value for name, value in rr.server.env.items() if value != REDACTED})
     if for_training:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if serves_lora(rr):  # /v1/load_lora_adapter and /v1/unload_lora_adapter (under /v1: the key guards them)
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     else:
         # unauthenticated weight-update endpoints only where a trainer needs them, never inherited by accident
         env.pop("VLLM_SERVER_DEV_MODE", None)
+        env.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None)
     if rr.api_key:
         env["VLLM_API_KEY"] = rr.api_key
     return env
@@ -150,6 +162,10 @@ RESERVED_FLAGS = {
     "--served-model-name": "server.served_model_name",
     "--max-model-len": "server.max_model_len",
     "--weight-transfer-config": "server.weight_sync",
+    "--enable-lora": "a peft: section (the server then loads the run's adapters)",
+    "--max-lora-rank": "server.max_lora_rank",
+    "--max-loras": "server.lora_slots",
+    "--max-cpu-loras": "server.lora_slots",
 }
 
 

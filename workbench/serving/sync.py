@@ -40,6 +40,7 @@ from trl.generation.vllm_client import VLLMClient
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
+from workbench.serving.client import LORA_PREFIX, adapter_pushed_at, lora_server
 from workbench.serving.launch import is_loopback
 
 logger = logging.getLogger("workbench.serving.sync")
@@ -258,6 +259,183 @@ class ReloadSync(WeightSync):
                     self._made_given = False
                 except OSError:
                     pass
+
+
+def adapter_name(tag: str, step: int, when: float | None = None) -> str:
+    """A versioned adapter name: one run's tag, the optimizer step it holds, and when it was pushed (how a run that
+    shares the server sees another's adapter go stale: client.adapter_pushed_at)."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in tag)[:80]
+    return f"{LORA_PREFIX}{safe}.s{step}.t{int(time.time() if when is None else when)}"
+
+
+class LoraSync(ReloadSync):
+    """Adapter-only sync through vLLM's runtime LoRA (`--enable-lora`, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).
+
+    After each optimizer step the main rank writes the adapter (and only the adapter: peft's state dict, about 1% of
+    the model's bytes) as a new directory on the RAM disk, renamed into place whole, loads it with
+    `POST /v1/load_lora_adapter` under a new versioned name (`adapter_name`), points the client's generation
+    requests at that name and unloads the previous version. Nothing of the base weights moves, and the prefix cache
+    needs no reset: vLLM keys cached blocks by the adapter's name and path (v1/core/kv_cache_utils.py), so no
+    request under the new name reuses a block computed under the old one, and the other runs sharing the server keep
+    their cache. The load endpoints are under /v1: the server's API key guards them.
+
+    Several runs may share one server: each run's names carry its own tag, a run only unloads its own adapters, and
+    an adapter of another run that was not re-pushed for `stale_s` (its run died) is unloaded to free its slot.
+    """
+
+    name = "lora"
+    FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+    def __init__(self, directory: str | Path | None = None, tag: str = "", slots: int = 4,
+                 stale_s: float = 1800.0, base_name: str = "policy", rank: int = 0) -> None:
+        super().__init__(None)  # the adapter versions live in a private directory (in a given sync_dir: below it)
+        self.parent = Path(directory) if directory else None
+        # unique on a shared server: two runs of one recipe started in the same second on two hosts differ here
+        self.tag = f"{tag or os.uname().nodename}-{os.urandom(2).hex()}"
+        self.slots = slots
+        self.stale_s = stale_s
+        self.base_name = base_name
+        self.rank = rank
+        self.current: str | None = None  # the version the server holds for this run
+        self.unloaded: list[str] = []  # adapters of other runs this run unloaded as stale (for the run's events)
+
+    @property
+    def directory(self) -> Path:
+        if self._own is None:
+            base = self.parent if self.parent is not None else (
+                Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir()))
+            base.mkdir(parents=True, exist_ok=True)
+            remove_stale_sync_dirs(base)
+            self._own = Path(tempfile.mkdtemp(prefix=f"{SYNC_PREFIX}{os.getpid()}-", dir=base))
+            self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._own), True)
+        return self._own
+
+    @property
+    def prefix(self) -> str:
+        """What every adapter name of this run starts with."""
+        return adapter_name(self.tag, 0, 0).rsplit(".s0.", 1)[0] + ".s"
+
+    def adapters(self, client) -> list[str]:
+        """The adapters the server holds now (its /v1/models entries with a parent)."""
+        data = client._get(f"{client.base_url}/v1/models").get("data", [])
+        return [m["id"] for m in data if m.get("parent")]
+
+    def connect(self, client, device) -> None:
+        self.check_server(client)
+        client.model = self.base_name  # until the first push: the zero-initialised adapter is the base model
+        self.free_slots(client, need=2)
+
+    def check_server(self, client) -> None:
+        """The server loads adapters at run time, of this rank (client.lora_server); its slot count wins over the
+        recipe's (a shared server was started by another recipe)."""
+        told = lora_server(client.base_url, client._auth, self.rank)
+        if told and told["slots"]:
+            self.slots = told["slots"]
+
+    def free_slots(self, client, need: int) -> None:
+        """Unload the stale adapters of dead runs; refuse, in one line, when the server still has no room."""
+        now = time.time()
+        held = self.adapters(client)
+        for name in held:
+            pushed = adapter_pushed_at(name)
+            if name == self.current or pushed is None or now - pushed < self.stale_s:
+                continue
+            if self._unload(client, name):
+                self.unloaded.append(name)
+                logger.warning("unloaded the adapter %s: not re-pushed for %.0f s (server.lora_stale_s=%.0f), its "
+                               "run is gone", name, now - pushed, self.stale_s)
+        others = [n for n in self.adapters(client) if n != self.current]
+        if len(others) + (1 if self.current else 0) + need > self.slots:
+            raise WorkbenchError(
+                f"the server at {client.base_url} holds {len(others)} adapter(s) of other runs "
+                f"({', '.join(others[:4])}{' ...' if len(others) > 4 else ''}) and has {self.slots} LoRA slots "
+                f"(server.lora_slots); this run needs {need}",
+                "wait for a run to finish, start the shared server with more server.lora_slots, or lower "
+                "server.lora_stale_s so that dead runs' adapters are freed sooner")
+
+    def _unload(self, client, name: str) -> bool:
+        response = client.session.post(f"{client.base_url}/v1/unload_lora_adapter", json={"lora_name": name},
+                                       headers=client._auth, timeout=60)
+        if response.status_code in (200, 404):  # 404: already gone (another run freed it, or a restarted server)
+            return response.status_code == 200
+        raise WorkbenchError(f"unloading the adapter {name} answered HTTP {response.status_code}: "
+                             f"{response.text[:200]}", "check the server log")
+
+    def _load(self, client, name: str, path: Path) -> None:
+        response = client.session.post(f"{client.base_url}/v1/load_lora_adapter",
+                                       json={"lora_name": name, "lora_path": str(path)},
+                                       headers=client._auth, timeout=client_timeout(client))
+        if response.status_code == 404 and "load_lora_adapter" in response.url and "Not Found" in response.text:
+            raise WorkbenchError(f"the server at {client.base_url} has no runtime LoRA endpoints",
+                                 "start it with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (a managed "
+                                 "server with a peft: recipe, or `workbench serve --for-training` with one)")
+        if response.status_code != 200:
+            raise WorkbenchError(f"loading the adapter {name} answered HTTP {response.status_code}: "
+                                 f"{response.text[:300]}", "check the server log (rank above --max-lora-rank, "
+                                 "target modules the model lacks, no free slot)")
+
+    def push_adapter(self, client, tensors: dict[str, torch.Tensor], config: dict, step: int) -> None:
+        """Write the adapter as a new version, load it, point generation at it, unload the previous one."""
+        import json
+
+        from safetensors.torch import save_file
+
+        started = time.perf_counter()
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+        moved = sum(t.numel() * t.element_size() for t in tensors.values())
+        name = adapter_name(self.tag, step)
+        if name == self.current:  # two pushes of one step within a second: same content, nothing to do
+            return
+        partial = self.directory / (name + ".partial")
+        partial.mkdir()
+        save_file(tensors, str(partial / self.FILES[0]))
+        (partial / self.FILES[1]).write_text(json.dumps(config, indent=1, default=_jsonable))
+        target = self.directory / name
+        os.replace(partial, target)  # the server never sees half an adapter
+        self.free_slots(client, need=1)
+        self._load(client, name, target)
+        previous, self.current = self.current, name
+        client.model = name  # TRL's generation requests name client.model
+        if previous is not None:
+            self._unload(client, previous)
+            shutil.rmtree(self.directory / previous, ignore_errors=True)
+        seconds = time.perf_counter() - started
+        self.records.append((seconds, moved))
+        logger.info("weight sync (lora): %s, %.2f MB in %.3f s", name, moved / 1e6, seconds)
+
+    def reload_current(self, client) -> None:
+        """After a server restart: load this run's current version again (the new server holds no adapter)."""
+        if self.current is None:
+            client.model = self.base_name
+            return
+        self._load(client, self.current, self.directory / self.current)
+        client.model = self.current
+
+    def send(self, client, metadata, named_params) -> int:
+        raise WorkbenchError("the lora weight sync pushes the adapter only (push_adapter), not named parameters",
+                             "train with a peft: section, or choose another server.weight_sync")
+
+    def close(self, client=None) -> None:
+        if client is not None and self.current is not None:
+            try:  # a finished run frees its slot on a shared server at once
+                self._unload(client, self.current)
+            except Exception as exc:  # the server may be gone already; the stale rule frees the slot then
+                logger.warning("could not unload the adapter %s at the end: %s", self.current, exc)
+            self.current = None
+        super().close(client)
+
+
+def _jsonable(value):
+    """peft's config holds sets (target_modules) and enums: as peft's own save_pretrained writes them."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return getattr(value, "value", str(value))
+
+
+def client_timeout(client) -> float:
+    """The request timeout the client was built with (server.request_timeout_s), else 600 s."""
+    request = client.session.request
+    return float(getattr(request, "keywords", {}).get("timeout") or 600.0)
 
 
 class NcclSync(WeightSync):
@@ -520,11 +698,12 @@ def _local_ip() -> str:
     return get_ip()
 
 
-ADAPTERS = {"none": NoSync, "reload": ReloadSync, "nccl": NcclSync, "hccl": HcclSync}
+ADAPTERS = {"none": NoSync, "reload": ReloadSync, "lora": LoraSync, "nccl": NcclSync, "hccl": HcclSync}
 
 
-def make(rr: Resolved) -> WeightSync:
-    """The adapter the resolved recipe names, with its settings (sync directory, weight-transfer group port)."""
+def make(rr: Resolved, tag: str = "") -> WeightSync:
+    """The adapter the resolved recipe names, with its settings (sync directory, weight-transfer group port; for
+    lora the run's tag, which names its adapters on a shared server)."""
     method = rr.weight_sync
     sync_dir = rr.recipe.server.sync_dir
     group_port = int(rr.recipe.trainer.get("vllm_group_port", 51216))
@@ -532,6 +711,10 @@ def make(rr: Resolved) -> WeightSync:
         raise WorkbenchError(f"unknown weight sync {method!r}", f"use one of: {', '.join(ADAPTERS)}")
     if method == "reload":
         return ReloadSync(sync_dir)
+    if method == "lora":
+        s = rr.recipe.server
+        return LoraSync(sync_dir, tag=tag, slots=s.lora_slots, stale_s=s.lora_stale_s, base_name=s.served_model_name,
+                        rank=rr.recipe.lora_rank)
     if method == "hccl":
         return HcclSync(group_port, master_address=trainer_address(rr))
     return ADAPTERS[method]()

@@ -123,6 +123,11 @@ def preflight(rr: Resolved) -> None:
             client.check_key(rr)
         except WorkbenchError as exc:
             problems.append(exc)
+    if rr.weight_sync == "lora" and rr.recipe.server.attached and rr.recipe.distributed.node_rank == 0 and not problems:
+        try:  # a shared LoRA server: it loads adapters at run time, of this rank, and has a slot for this run
+            client.check_lora_room(rr)
+        except WorkbenchError as exc:
+            problems.append(exc)
     sync_dir = rr.recipe.server.sync_dir
     if rr.weight_sync == "reload" and sync_dir and Path(sync_dir).is_dir():
         from workbench.serving.sync import ReloadSync  # lazy: torch

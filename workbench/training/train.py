@@ -61,6 +61,8 @@ class TrainSummary:
     processes: int = 1  # trainer ranks (all nodes)
     restarts: int = 0  # server restarts during this training, before a resume too (events.jsonl has each)
     resumed_from: int | None = None  # the checkpoint step a resumed training continued from
+    # a LoRA run: {"prefix": its adapters' names on the server, "rank", "bytes": the adapter's weights on disk}
+    adapter: dict | None = None
 
     def save(self, train_dir: TrainDir) -> Path:
         return write_atomic(train_dir.summary, json.dumps(asdict(self), indent=2))
@@ -161,7 +163,7 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
 
     several = rr.trainer_processes > 1 or rr.recipe.distributed.nodes > 1
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if several else None
-    weight_sync = sync.make(rr)
+    weight_sync = sync.make(rr, tag=f"{train_dir.path.parent.name}-{os.getpid()}")
     recovery = Recovery(rr, train_dir, restart, log=log) if restart is not None else None
     trainer = None
     try:
@@ -178,6 +180,9 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
             check_same_recipe(ranks)  # every rank holds the gathered list: all of them stop together
             if main:
                 write_atomic(train_dir.ranks, json.dumps(ranks, indent=2))
+                if isinstance(weight_sync, sync.LoraSync):  # how this run's adapters are named on a shared server
+                    append_event(train_dir.events, "lora_adapters", f"this run's adapters on the server are named "
+                                 f"{weight_sync.prefix}*", prefix=weight_sync.prefix)
             trainer.add_callback(JsonlMetrics(train_dir.metrics))
             stop_flag = StopFlag(train_dir, log=log)
             trainer.add_callback(stop_flag)
@@ -207,7 +212,8 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
                                final_model=str(train_dir.final), stopped_early_at=stop_flag.stopped_at,
                                monitor=sampler.overhead(), processes=accelerator.num_processes,
                                restarts=_restarts_recorded(train_dir),
-                               resumed_from=_checkpoint_step(resume_from) if resume_from else None)
+                               resumed_from=_checkpoint_step(resume_from) if resume_from else None,
+                               adapter=_adapter_record(rr, weight_sync, train_dir))
         summary.save(train_dir)
         return summary
     finally:
@@ -218,6 +224,15 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
             client.close_communicator()
         elif isinstance(weight_sync, sync.ReloadSync):
             weight_sync.close()
+
+
+def _adapter_record(rr: Resolved, weight_sync, train_dir: TrainDir) -> dict | None:
+    if not rr.recipe.lora:
+        return None
+    from workbench.training.export import adapter_bytes
+
+    return {"prefix": getattr(weight_sync, "prefix", None), "rank": rr.recipe.lora_rank,
+            "bytes": adapter_bytes(train_dir.final)}
 
 
 def _stopped_with_checkpoint(trainer, train_dir: TrainDir, exc, several: bool, log) -> Exception:

@@ -75,13 +75,35 @@ class _SyncingVLLMGeneration(VLLMGeneration):
     def sharded(self) -> bool:
         return bool(self._dist.is_zero3 or self._dist.is_fsdp)
 
+    @property
+    def adapter_only(self) -> bool:
+        """The adapter alone goes to the server (server.weight_sync lora), TRL's merged full push never runs."""
+        return isinstance(self.weight_sync, sync.LoraSync)
+
     def _push_from_main(self) -> None:
         # TRL's own push (metadata, parameters, prefix-cache reset), without this class's canary: the recovery runs
         # its own check afterwards. Only the main rank calls it, so only unsharded parameters get here.
+        if self.adapter_only:  # a restarted server holds no adapter: load the run's current version again
+            self.weight_sync.reload_current(self.vllm_client)
+            return
         VLLMGeneration.sync_weights(self)
 
+    def _push_adapter(self) -> None:
+        """The main rank saves the adapter's weights and loads them into the server as a new version (replicated
+        under DDP and ZeRO 1/2; sharded strategies are refused with LoRA sync at recipe load)."""
+        if self.mode != "server" or not self.accelerator.is_main_process:
+            return
+        from peft import get_peft_model_state_dict
+
+        model = self.accelerator.unwrap_model(self.model)
+        tensors = get_peft_model_state_dict(model)  # the adapter only, named as peft saves it
+        config = model.peft_config[model.active_adapter].to_dict()
+        self.vllm_client._recovering(
+            "adapter push", lambda: self.weight_sync.push_adapter(self.vllm_client, tensors, config, self.step()))
+
     def _server_logprobs(self, ids: list[int]) -> list[float]:
-        return self.vllm_client._recovering("canary", lambda: self.server_logprobs(ids))
+        # under the run's current adapter on a LoRA server (client.model), else the served base model
+        return self.vllm_client._recovering("canary", lambda: self.server_logprobs(ids, self.vllm_client.model))
 
     def _run_canary(self, reason: str = "scheduled") -> None:
         """Score the probes on both sides. Sharded parameters: every rank runs the forward (it gathers them) and
@@ -107,7 +129,10 @@ class _SyncingVLLMGeneration(VLLMGeneration):
     def sync_weights(self):
         if self.ahead is not None:
             self.ahead.settle()  # never change the server's weights under a running batch
-        super().sync_weights()
+        if self.adapter_only:
+            self._push_adapter()
+        else:
+            super().sync_weights()
         if self.canary is None or self.mode != "server" or not self.canary.due(self.step()):
             return
         if self.sharded or self.accelerator.is_main_process:
@@ -315,9 +340,18 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
     canary = Canary.for_recipe(rr, train_dir, tokenizer, log=log) if train_dir is not None else None
     return WorkbenchGRPOTrainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=dataset.to_hf_dataset(rows),
+        peft_config=lora_config(rr) if recipe.lora else None,
         reward_funcs=[rewards.guarded(spec) for spec in rewardspec.specs(recipe.rewards)],
         weight_sync=weight_sync, headers=rr.headers, request_timeout=recipe.server.request_timeout_s,
-        canary=canary, recovery=recovery, server_logprobs=lambda ids: client.sequence_logprobs(rr, ids),
+        canary=canary, recovery=recovery,
+        server_logprobs=lambda ids, model=None: client.sequence_logprobs(rr, ids, model=model),
         overlap=recipe.rollout.overlapped,
         groups=(GroupRecorder(train_dir, recipe.monitor.groups_per_step, seed=recipe.data.seed)
                 if train_dir is not None and recipe.monitor.groups_per_step > 0 else None))
+
+
+def lora_config(rr: Resolved):
+    """peft's LoraConfig from the recipe's peft: section (keys checked against it at load); TRL wraps the model."""
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", **rr.recipe.peft)

@@ -1,0 +1,79 @@
+"""Export a run's trained model as a plain Hugging Face model directory (a LoRA run's adapter merged in).
+
+    workbench export runs/<id> --merge                  # -> runs/<id>/train/merged/
+    workbench export runs/<id> --merge --out /models/x
+
+A run trained with a peft: section saves the adapter alone in train/final/ (peft's adapter_model.safetensors and
+adapter_config.json, a few MB): the server samples and evaluates under it without merging. `--merge` is for
+everything that wants one model: the base model of the run's recipe is loaded, peft applies the adapter and merges
+it into the weights (`merge_and_unload`), and the model and tokenizer are written to a temporary directory that is
+renamed into place whole, so a failed export leaves nothing half-written. A full fine-tuning's final/ is already a
+model directory: there is nothing to merge.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from workbench.errors import WorkbenchError
+from workbench.rundir import RunDir
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter(path: Path | str) -> bool:
+    """A peft adapter directory (adapter_config.json, no config.json of its own)."""
+    path = Path(path)
+    return (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file()
+
+
+def adapter_bytes(path: Path | str) -> int:
+    """The size of an adapter's weights file(s): what each push of a LoRA run moves."""
+    return sum(p.stat().st_size for p in Path(path).glob("adapter_model.*"))
+
+
+def check(run: RunDir, out: Path | None, merge: bool) -> tuple[Path, Path]:
+    """Where the adapter is and where the merged model goes; one clear line for anything that cannot work, before
+    any model is loaded."""
+    final = run.train.final
+    if not final.is_dir():
+        raise WorkbenchError(f"{run.path} has no trained model (no train/final/)",
+                             "export a run whose training finished, e.g. runs/<id> of `workbench train`")
+    if not is_adapter(final):
+        raise WorkbenchError(f"{final} is already a full model (the run trained without peft:): nothing to merge",
+                             f"use {final} as it is (vLLM and transformers load it directly)")
+    if not merge:
+        raise WorkbenchError(f"{final} holds a LoRA adapter, not a model",
+                             "pass --merge to write a model with the adapter merged in")
+    target = Path(out) if out else final.parent / "merged"
+    if target.exists():
+        raise WorkbenchError(f"{target} exists", "remove it, or pass --out with a new directory")
+    return final, target
+
+
+def export(run: RunDir, out: Path | str | None = None, merge: bool = True, log=print) -> Path:
+    """Merge the run's adapter into its base model; returns the new model directory."""
+    from workbench import recipe, tinymodel
+
+    final, target = check(run, Path(out) if out else None, merge)
+    rr = recipe.resolve(recipe.load(str(run.train.recipe)))
+    base = tinymodel.ensure_model(rr, log=log) if rr.is_tiny else rr.model_path
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = rr.recipe.model.dtype
+    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
+    merged = PeftModel.from_pretrained(model, str(final)).merge_and_unload()
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        merged.save_pretrained(str(partial))
+        AutoTokenizer.from_pretrained(str(final)).save_pretrained(str(partial))
+        partial.rename(target)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    log(f"merged {final} into {base}: {target}")
+    return target
