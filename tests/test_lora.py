@@ -20,7 +20,7 @@ import time
 import pytest
 import requests
 
-from conftest import KEYED, LAB_REWARDS, REPO, free_port, wait_for, workbench_command
+from conftest import KEYED, LAB_REWARDS, free_port, wait_for, workbench_command
 from workbench import recipe
 from workbench.errors import WorkbenchError
 from workbench.records import read_jsonl
@@ -262,15 +262,15 @@ def test_a_dead_runs_adapter_is_freed_and_a_full_server_is_refused_in_one_line(l
         r = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(final)},
                           headers=headers, timeout=60)
         assert r.status_code == 200, r.text
-    try:
-        runs = lora_pair["project"] / "refused"
-        out = subprocess.run(workbench_command() + ["train", "--recipe", "smoke", *PEFT, "server.mode=attach",
-                                                    f"server.url={url}", f"monitor.runs_dir={runs}", *KEYED],
-                             cwd=lora_pair["project"], capture_output=True, text=True, timeout=300)
-        errors = [line for line in out.stderr.splitlines() if line.startswith("error")]
-        assert out.returncode == 2 and len(errors) == 1, out.stderr[-2000:]
-        assert "holds 3 adapter(s) of other runs" in errors[0] and "has 4 LoRA slots" in errors[0], errors
-        assert not runs.exists() or not list(runs.rglob("metrics.jsonl"))
+    try:  # what `workbench train` runs before its run directory or model exists (cli.cmd_train)
+        from workbench.training.config import preflight
+
+        rr = recipe.resolve(recipe.load("smoke", PEFT + ["server.mode=attach", f"server.url={url}", *KEYED]))
+        with pytest.raises(WorkbenchError) as refused:
+            preflight(rr)
+        message = str(refused.value)
+        assert "holds 3 adapter(s) of other runs" in message and "has 4 LoRA slots" in message, message
+        assert len(message.splitlines()) == 1
     finally:
         for name in taken:
             requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, headers=headers, timeout=60)
@@ -289,9 +289,12 @@ def test_export_merge_scores_as_the_adapter_does_on_the_server(lora_pair):
     assert out.returncode == 0, out.stderr[-2000:]
     merged = a.train.path / "merged"
     assert (merged / "config.json").is_file() and not list(merged.parent.glob("*.partial"))
-    again = subprocess.run(workbench_command() + ["export", str(a.path), "--merge"], capture_output=True, text=True,
-                           timeout=300, cwd=lora_pair["project"])
-    assert again.returncode == 2 and "exists" in again.stderr
+    from workbench.training import export
+
+    with pytest.raises(WorkbenchError, match="merged exists"):  # never over an earlier export
+        export.check(a, None, merge=True)
+    with pytest.raises(WorkbenchError, match="holds a LoRA adapter, not a model; fix: pass --merge"):
+        export.check(a, a.path / "elsewhere", merge=False)
     # the trained adapter on the base server (no merge) against the merged model in transformers
     name = "wbl.export-check.s0.t0"
     r = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(a.train.final)},
