@@ -114,7 +114,7 @@ def test_canary_stops_a_run_whose_sync_stops(tmp_path, restored_server, monkeypa
                 return 0
             return super().send(client, metadata, named_params)
 
-    monkeypatch.setattr(sync, "make", lambda rr: Stale())
+    monkeypatch.setattr(sync, "make", lambda rr, **_: Stale())
     before = _sync_dirs()
     r = recipe.load("smoke", ["server.mode=attach", f"server.url={restored_server.url}", *KEYED, f"monitor.runs_dir={tmp_path}",
                               "trainer.max_steps=20", "trainer.save_steps=100", *FAST])
