@@ -1,5 +1,6 @@
-"""`workbench bench` for real on the tiny model (all four rollout paths, a real server, two measured steps each), and
-the async path's guarantees read from what that run recorded: the reload adapter pushed every step, the server held
+"""`workbench bench` for real on the tiny model (in-process, server, async and lora: a real server, a LoRA server of
+the lora path's own, two measured steps each; colocate's engine is tests/test_colocate.py's, through the same local
+path of the bench as in-process), the lora path's adapter-only pushes, and the async path's guarantees read from what that run recorded: the reload adapter pushed every step, the server held
 the trainer's weights after every push (canary every step), batches were exactly one step stale and the sampler's
 log-probs stayed within what one step of training moves them."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from workbench.experiments import bench
 from workbench.records import read_jsonl
 from workbench.rundir import RunDir, TrainDir
 
-PATHS = ["in-process", "colocate", "server", "async"]
+PATHS = ["in-process", "server", "async", "lora"]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def bench_run(tmp_path_factory, tiny_model_dir):
     runs = tmp_path_factory.mktemp("bench-runs")
     log = runs / "bench.log"
     cmd = [*workbench_cmd, "bench", "--recipe", "cpu-tiny", "--sizes", "tiny", "--steps", "2", "--warmup", "1",
-           "--concurrency", "1,2", f"server.port={free_port()}", f"monitor.runs_dir={runs}",
+           "--concurrency", "1,2", "--paths", ",".join(PATHS), f"server.port={free_port()}", f"monitor.runs_dir={runs}",
            "trainer.per_device_train_batch_size=16", "monitor.canary_every=1"]
     with log.open("w") as out:  # a file: the trainer must never block on a full pipe
         code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=900)
@@ -46,7 +47,7 @@ def test_every_path_trained_and_the_table_has_one_row_each(bench_run):
         assert max(m.get("step", 0) for m in metrics) == 3
     table = run.bench.table.read_text()
     rows = [line for line in table.splitlines() if line.startswith("| tiny |")]
-    assert len(rows) == 4 and all(len(row.split("|")) == len(bench.HEADER) + 2 for row in rows)
+    assert len(rows) == len(PATHS) and all(len(row.split("|")) == len(bench.HEADER) + 2 for row in rows)
     assert "| " + " | ".join(bench.HEADER) + " |" in table and table in output
     assert result.machine["cores"] >= 1 and result.machine["versions"]["vllm"] != "-"
     assert run.bench.figure.stat().st_size > 10_000
@@ -60,6 +61,9 @@ def test_server_paths_are_compared_with_the_servers_saturated_throughput(bench_r
         if r.path in ("server", "async"):
             assert r.efficiency == pytest.approx(r.training_tokens_per_second / saturation["best"])
             assert 0 < r.efficiency < 2
+        elif r.path == "lora":  # against its own server, under its own trained adapter
+            assert r.efficiency == pytest.approx(r.training_tokens_per_second
+                                                 / result.lora_saturation["tiny"]["adapter"]["best"])
         else:
             assert r.efficiency is None  # no server to saturate
 
@@ -83,3 +87,17 @@ def test_async_batches_are_one_step_stale_and_the_server_tracks_the_trainer(benc
     assert all(math.isfinite(g) and g < 0.05 for g in gaps), gaps
     ratios = [m["sampling/importance_sampling_ratio/mean"] for m in metrics]
     assert all(0.8 < r < 1.25 for r in ratios), ratios
+
+
+def test_the_lora_path_pushes_the_adapter_alone_and_measures_its_decode_cost(bench_run):
+    run, result, output = bench_run
+    full, lora = result.result("tiny", "server"), result.result("tiny", "lora")
+    summary = json.loads(TrainDir(lora.train_dir).summary.read_text())
+    assert summary["weight_sync"] == "lora" and summary["adapter"]["rank"] == 16
+    # rank 16 on every projection of the 1.3M-parameter model: about a tenth of the full push's bytes, every step
+    metrics = [m for m in read_jsonl(TrainDir(lora.train_dir).metrics, normalised=False) if "time/step" in m]
+    assert [m["sync/count"] for m in metrics] == [1, 1, 1]
+    assert 0 < lora.sync_megabytes < full.sync_megabytes / 5, (lora.sync_megabytes, full.sync_megabytes)
+    sat = result.lora_saturation["tiny"]
+    assert set(sat) == {"base", "adapter"} and sat["base"]["best"] > 0 and sat["adapter"]["best"] > 0
+    assert "under the trained adapter: decode" in output and "of the full push's bytes" in output

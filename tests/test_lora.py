@@ -207,6 +207,16 @@ def test_two_runs_share_one_server_each_sampling_its_own_adapter(lora_pair):
     # run A finished: its adapter unloaded, its slot free; run B died: its last version is still held
     held = _adapters(lora_pair)
     assert not [n for n in held if n.startswith(_tag(a))] and [n for n in held if n.startswith(_tag(b))], held
+    # which runs shared the server: in run A's summary, its events, the report's rows and `workbench compare`
+    from workbench.observe import compare, rundata, views
+
+    summary = json.loads(a.train.summary.read_text())
+    assert summary["adapter"]["prefix"] == _tag(a) and summary["adapter"]["shared_with"] == [_tag(b)]
+    assert summary["adapter"]["rank"] == 8 and summary["adapter"]["bytes"] > 0
+    rows = dict(views.summary_rows(rundata.load(a.train)))
+    assert rows["server shared with"] == f"{_tag(b)}*" and rows["LoRA adapter"].startswith("rank 8, ")
+    out = compare.outcomes(compare.load_runs([a.path, b.path], ["a", "b"]))
+    assert out.loc["a", "shared_server_with"] == "b" and out.loc["b", "shared_server_with"] == "a"
 
 
 @pytest.mark.heavy
@@ -310,3 +320,54 @@ def test_export_merge_scores_as_the_adapter_does_on_the_server(lora_pair):
     local = model_logprobs(AutoModelForCausalLM.from_pretrained(str(merged)), ids)
     assert max(abs(x - y) for x, y in zip(served, local)) < 1e-4
     assert max(abs(x - y) for x, y in zip(served, base)) > 1e-3  # the adapter changes what the server samples
+
+
+@pytest.mark.heavy
+def test_eval_scores_the_adapter_on_the_base_server_without_merging(lora_pair, tiny_model_dir, monkeypatch):
+    """`workbench eval --model trained=RUN/train/final`: one LoRA server of the base model with the adapter as a module
+    of its own (its command checked here), each adapter named in its requests; the requests for real on the
+    shared LoRA server, the adapter loaded there under the label's name."""
+    from workbench.evaluation import evaluate
+    from workbench.serving import launch
+
+    a, url, headers = lora_pair["a"], lora_pair["url"], lora_pair["headers"]
+    rr = recipe.resolve(recipe.load("smoke", ["eval.num_samples=8", *KEYED]))
+    started = []
+
+    class Server:  # what _with_adapters starts: its recipe and model, not a process
+        def __init__(self, rr, model, *args, **kwargs):
+            started.append((rr, model))
+            self.url = url
+
+        def start(self):
+            return self
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(evaluate, "VLLMServer", Server)
+    served = list(evaluate._with_adapters(rr, [("base", str(tiny_model_dir)), ("trained", str(a.train.final))],
+                                          None, True))
+    assert [label for label, _, _ in served] == ["base", "trained"] and len(started) == 1
+    lora_rr, model = started[0]
+    cmd = launch.command(lora_rr, model)
+    assert model == str(tiny_model_dir) and cmd[cmd.index("--lora-modules") + 1] == f"trained={a.train.final}"
+    assert "--enable-lora" in cmd and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in launch.environment(lora_rr)
+    with pytest.raises(WorkbenchError, match="full model beside LoRA adapters"):
+        list(evaluate._with_adapters(rr, [("other", str(a.path / "nowhere")), ("trained", str(a.train.final))],
+                                     None, True))
+    # scored for real under the adapter's name, against the base model on the same server
+    r = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "trained", "lora_path": str(a.train.final)},
+                      headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        rows = evaluate.eval_rows(rr)
+        trained, samples = evaluate.evaluate_server(rr, "trained", rows, url, quiet=True, served_as="trained")
+        base, base_samples = evaluate.evaluate_server(rr, "base", rows, url, quiet=True)
+    finally:
+        requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "trained"}, headers=headers, timeout=60)
+    assert trained.n == base.n == 8 and trained.errors == base.errors == 0
+    assert all(s.response is not None for s in samples + base_samples)
+    # every request of the adapter's evaluation named it (the server's request log): none went to the base model
+    log = lora_pair["server_log"].read_text()
+    assert log.count("lora_request: LoRARequest(lora_name='trained'") == len(samples)

@@ -116,13 +116,16 @@ def test_bad_protocols_fail_before_any_training(extra, message, tmp_path):
 @pytest.mark.heavy
 @pytest.mark.timeout(900)
 def test_protocol_chooses_on_validation_and_reports_on_test(tiny_model_dir, tmp_path):
-    """Two settings (the recipe and a candidate), smoke-sized trainings, for real: each trained with the choice's
-    seed and scored on the validation split; the picked model scored on the test split (shown, not counted); the
-    chosen setting trained afresh with a test seed and scored on the test split (the result). Every model is
-    scored once per split, and the whole protocol runs on one server."""
+    """Two settings (the recipe and a candidate), smoke-sized LoRA trainings, for real: each trained with the
+    choice's seed and scored on the validation split; the picked model scored on the test split (shown, not
+    counted); the chosen setting trained afresh with a test seed and scored on the test split (the result). Every
+    model is scored once per split, and the whole protocol runs on one server: `--concurrent 2` trains the two
+    candidates at the same time on it, each pushing its own adapter, and each adapter is loaded into it to be
+    scored. (The full-weight push into a running server for scoring is pipeline_run's, tests/test_pipeline.py.)"""
     port = free_port()
     cmd = workbench_command() + ["protocol", "--recipe", "smoke", "--choose-seed", "3", "--seeds", "4",
-                                 "--candidate", "lr-high: trainer.learning_rate=1e-3",
+                                 "--candidate", "lr-high: trainer.learning_rate=1e-3", "--concurrent", "2",
+                                 "peft.r=8", "peft.target_modules=all-linear",
                                  f"server.port={port}", "eval.num_samples=12", f"monitor.runs_dir={tmp_path}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -158,8 +161,20 @@ def test_protocol_chooses_on_validation_and_reports_on_test(tiny_model_dir, tmp_
     assert by_label[best["run"]]["trained"] == evaluations["validation"].by_model()[
         f"c{index}-seed3-validation"].accuracy_mean
     # one server for the whole protocol: started once, shared by the trainings, loaded with each evaluated model
-    assert len(list((stage.path / "server").glob("vllm-server-*.log"))) == 1
+    (server_log,) = (stage.path / "server").glob("vllm-server-*.log")
     assert list(stage.runs.rglob("vllm-server-*.log")) == []
+    loaded = server_log.read_text()
+    for label in ("c0-seed3-validation", "c1-seed3-validation", f"c{index}-seed4-heldout", f"c{index}-seed3-heldout"):
+        assert f"Loaded new LoRA adapter: name '{label}'" in loaded, label  # scored under its own adapter
+    # the two validation trainings ran at the same time (each process's run directory was made before the other's
+    # training ended), each with its own adapter
+    windows = []
+    for o in result["validation"]:
+        run = RunDir(o["run"])
+        assert json.loads(run.train.summary.read_text())["weight_sync"] == "lora"
+        windows.append((run.recipe.stat().st_mtime, run.train.summary.stat().st_mtime))
+    assert max(w[0] for w in windows) < min(w[1] for w in windows), windows
+    assert "2 trainings, 2 at a time" in out.stdout
 
     # how each training was seeded, read from the runs themselves; each run's own evaluation (base and trained)
     for o in result["validation"] + result["test"]:
@@ -246,3 +261,24 @@ def test_resume_keeps_what_was_recorded_and_redoes_the_interrupted(monkeypatch, 
     result, _ = protocol.run("", [], 0, [3], resume=run_dir, log=lambda *_: None)
     assert scored[2:] == [("heldout", ["c1-seed3-heldout"])] and [o.seed for o in result.test] == [1, 2, 3]
     assert {o.base for o in result.test} == {0.5}
+
+
+def test_concurrent_trainings_need_adapters_and_get_one_lora_server_for_all():
+    """`--concurrent N`: full-weight candidates would overwrite each other's pushes on the one server (refused
+    before anything starts); LoRA candidates get two slots each and the largest rank any of them trains, so that
+    every training's server command is the shared one's."""
+    from workbench.experiments.protocol import check, concurrent_overrides
+    from workbench.serving import launch
+
+    full = [Candidate("recipe", []), Candidate("lr", ["trainer.learning_rate=1e-3"])]
+    with pytest.raises(WorkbenchError, match="'recipe', 'lr' pushes full weights"):
+        concurrent_overrides("smoke", full, [], 2)
+    lora = ["peft.r=8", "peft.target_modules=all-linear"]
+    candidates = [Candidate("recipe", []), Candidate("r32", ["peft.r=32"])]
+    added = concurrent_overrides("smoke", candidates, lora, 3)
+    assert added == ["server.lora_slots=6", "server.max_lora_rank=32"]
+    commands = {tuple(launch.command(recipe.resolve(recipe.load("smoke", [*lora, *added, *c.overrides])), "/m"))
+                for c in candidates}
+    assert len(commands) == 1  # one server for both candidates
+    with pytest.raises(WorkbenchError, match="--concurrent 0"):
+        check("smoke", candidates, 0, [1], [*lora, *added], concurrent=0)

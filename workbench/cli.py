@@ -313,13 +313,13 @@ def cmd_protocol(args: argparse.Namespace) -> int:
         raise WorkbenchError(f"--choose-seed {args.choose_seed!r} names {len(choose)} seeds", "give one, e.g. --choose-seed 0")
     candidates = [protocol.parse_candidate(text) for text in args.candidate or []]
     if args.resume:
-        if candidates or args.overrides or choose is not None or args.recipe:
+        if candidates or args.overrides or choose is not None or args.recipe or args.concurrent != 1:
             raise WorkbenchError("--resume continues a protocol with its own recipe, candidates and choice seed",
                                  "pass only --resume RUN (and --seeds to add test seeds)")
         protocol.run("", [], 0, seeds or [], resume=args.resume)
     else:
         protocol.run(args.recipe or "cpu-tiny", candidates, choose[0] if choose else 0, seeds or [1, 2, 3],
-                     args.overrides)
+                     args.overrides, concurrent=args.concurrent)
     return 0
 
 
@@ -438,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", help="the test seeds, comma-separated, none of them the choice's (default: 1,2,3)")
     p.add_argument("--resume", metavar="RUN", help="continue this protocol directory (its recorded trainings kept); "
                                                    "with --seeds, add test seeds")
+    p.add_argument("--concurrent", type=int, default=1, metavar="N",
+                   help="train N at a time on the shared server (LoRA recipes: each run pushes its own adapter)")
     p = add("tag", "name a run (and note why) for comparisons", "workbench.observe.compare", cmd_tag, run_dir=True)
     p.add_argument("name", help="a short name, e.g. lr-high: comparisons label the run with it")
     p.add_argument("--note", help="a sentence kept with the tag and shown in comparisons")

@@ -44,6 +44,7 @@ from workbench.tasks import dataset
 from workbench.tasks.grading import grade
 from workbench.tinymodel import ensure_model
 from workbench.training.canary import Canary, probe_sequences, thresholds
+from workbench.training.export import ADAPTER_CONFIG, is_adapter
 
 # ----------------------------------------------------------------------------------------------------------------
 # Preflight
@@ -142,7 +143,7 @@ def _run_async(coro):
 
 
 async def _send_all(rr: Resolved, url: str, samples: list[Sample], rows: list[dict], concurrency: int,
-                    progress) -> None:
+                    progress, served_as: str | None = None) -> None:
     from openai import APIConnectionError, APITimeoutError, AsyncOpenAI, InternalServerError, RateLimitError
 
     recipe, ev = rr.recipe, rr.recipe.eval
@@ -153,7 +154,7 @@ async def _send_all(rr: Resolved, url: str, samples: list[Sample], rows: list[di
 
     async def one(sample: Sample, row: dict) -> None:
         nonlocal done
-        common = dict(model=recipe.server.served_model_name, max_tokens=ev.max_tokens, temperature=ev.temperature,
+        common = dict(model=served_as or recipe.server.served_model_name, max_tokens=ev.max_tokens, temperature=ev.temperature,
                       top_p=ev.top_p, seed=ev.seed + sample.repeat, stop=ev.stop or None)
         async with gate:
             for attempt in range(ev.retries + 1):
@@ -204,8 +205,9 @@ class _Progress:
 
 def evaluate_server(rr: Resolved, label: str, rows: list[dict], url: str | None = None,
                     concurrency: int | None = None, repeats: int | None = None, quiet: bool = False,
-                    model_path: str = "") -> tuple[Summary, list[Sample]]:
-    """Evaluate whatever the server at `url` serves under the recipe's served name."""
+                    model_path: str = "", served_as: str | None = None) -> tuple[Summary, list[Sample]]:
+    """Evaluate whatever the server at `url` serves under the recipe's served name (or `served_as`: an adapter's
+    name on a LoRA server)."""
     recipe = rr.recipe
     url = url or rr.server_url
     concurrency = concurrency or recipe.eval.concurrency
@@ -218,7 +220,7 @@ def evaluate_server(rr: Resolved, label: str, rows: list[dict], url: str | None 
     for repeat in range(repeats):
         samples = [Sample(label, repeat, r["id"], r["prompt"][-1]["content"], r["answer"]) for r in rows]
         progress = _Progress(len(samples), f"{label} #{repeat + 1}/{repeats}", quiet)
-        _run_async(_send_all(rr, url, samples, rows, concurrency, progress))
+        _run_async(_send_all(rr, url, samples, rows, concurrency, progress, served_as))
         progress.close()
         for sample, (extracted, correct) in zip(samples, grade([s.gold for s in samples], [s.response for s in samples])):
             sample.extracted, sample.correct = extracted, (correct if sample.error is None else None)
@@ -433,10 +435,14 @@ def check_inputs(rr: Resolved, models: dict[str, str] | None = None) -> None:
     """What an evaluation needs before anything starts or is written: the model directories it names, and the key
     the recipe names (set; accepted by an attached server)."""
     missing = [f"{label}={path}" for label, path in (models or {}).items()
-               if path not in ("tiny", "base") and not (Path(path) / "config.json").is_file()]
+               if path not in ("tiny", "base") and not (Path(path) / "config.json").is_file() and not is_adapter(path)]
     if missing:
-        raise WorkbenchError(f"no model directory at {', '.join(missing)} (no config.json)",
-                             "pass --model LABEL=DIR with a Hugging Face model directory, e.g. RUN/train/final")
+        raise WorkbenchError(f"no model directory at {', '.join(missing)} (no config.json or adapter_config.json)",
+                             "pass --model LABEL=DIR with a Hugging Face model directory or a LoRA adapter, e.g. "
+                             "RUN/train/final")
+    adapters = {label: path for label, path in (models or {}).items() if is_adapter(path)}
+    if adapters:
+        _adapter_base_matches(rr, adapters)
     client.check_key(rr)
 
 
@@ -462,7 +468,11 @@ def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir
         check_inputs(rr, models)  # before the first server starts, not after the first model was scored
         items = [(label, str(ensure_model(rr, log=log)) if path in ("tiny", "base") else path)
                  for label, path in models.items()]
-        if server is not None:
+        if any(is_adapter(path) for _, path in items):
+            log(f"{len(items)} model(s) on one LoRA server of the base model: each adapter named in its requests, "
+                "nothing merged")
+            servers = _with_adapters(rr, items, log_dir, quiet, running=server)
+        elif server is not None:
             for label, path in items:
                 why = weights_apart(str(server.model_path), path)
                 if why:
@@ -486,7 +496,8 @@ def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir
                 info = preflight(rr, rows, srv.url)
                 log(f"{label}: serving {path} ({info['longest_prompt_tokens']} + {recipe.eval.max_tokens} tokens "
                     f"fit max_model_len {info['max_model_len']})")
-                summary, got = evaluate_server(rr, label, rows, srv.url, quiet=quiet, model_path=str(path))
+                summary, got = evaluate_server(rr, label, rows, srv.url, quiet=quiet, model_path=str(path),
+                                               served_as=label if is_adapter(path) else None)
                 result.summaries.append(summary)
                 result.samples += got
                 if label == items[0][0]:
@@ -496,6 +507,66 @@ def evaluate(rr: Resolved, models: dict[str, str] | None = None, stage: StageDir
         result.save(stage)
         log(f"samples: {stage.samples}\nfigure: {stage.figure}")
     return result
+
+
+def _adapter_base_matches(rr: Resolved, adapters: dict[str, str]) -> None:
+    """An adapter is scored on the recipe's model: it must have been trained on that model."""
+    for label, path in adapters.items():
+        base = json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        if rr.is_tiny or not base:
+            continue  # the tiny model's cache directory moves with the checkout; its config is checked at load
+        if Path(str(base)).resolve() != Path(rr.model_path).resolve() and str(base) != rr.model_path:
+            raise WorkbenchError(f"{label}={path} is an adapter of {base}, but the recipe's model is {rr.model_path}",
+                                 f"evaluate it with the recipe it was trained with (model.path={base})")
+
+
+def _with_adapters(rr: Resolved, items: list[tuple[str, str]], log_dir: Path | None, quiet: bool, running=None):
+    """Yield (label, path, server) for each model from one vLLM server of the recipe's base model started with LoRA
+    and each adapter as a module of its own (`--lora-modules LABEL=DIR`, served from the start: no run-time loading,
+    no weight-update endpoint). The base model's label is answered by the base; every other by its adapter. With
+    `running` (a shared LoRA server that loads adapters at run time: the protocol's), each adapter is loaded into
+    it under its label for its turn and unloaded after."""
+    ranks = [int(json.loads((Path(p) / ADAPTER_CONFIG).read_text()).get("r", 8)) for _, p in items if is_adapter(p)]
+    base = str(ensure_model(rr, log=lambda *_: None)) if rr.is_tiny else rr.model_path
+    for label, path in items:
+        if not is_adapter(path) and Path(path).resolve() != Path(base).resolve():
+            raise WorkbenchError(f"{label}={path} is a full model beside LoRA adapters of {base}",
+                                 "evaluate adapters together with the base model only, or merge them first "
+                                 "(workbench export RUN --merge)")
+    if running is not None:
+        yield from _loaded_adapters(rr, items, running)
+        return
+    modules = [f"{label}={path}" for label, path in items if is_adapter(path)]
+    served = load(rr.recipe, {"peft.r": max(ranks), "server.weight_sync": "lora",
+                              "server.lora_slots": max(2, len(modules)),
+                              "server.extra_args": [*rr.recipe.server.extra_args, "--lora-modules", *modules]})
+    srv = VLLMServer(rr.with_recipe(served), base, log_dir, quiet=quiet, name="lora")
+    try:
+        srv.start()
+        for label, path in items:
+            yield label, path, srv
+    finally:
+        srv.stop()
+
+
+def _loaded_adapters(rr: Resolved, items: list[tuple[str, str]], srv):
+    import requests
+
+    for label, path in items:
+        if not is_adapter(path):
+            yield label, path, srv
+            continue
+        response = requests.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": label, "lora_path": str(path)},
+                                 headers=rr.headers, timeout=120)
+        if response.status_code != 200:
+            raise WorkbenchError(f"the shared server did not load the adapter {label}={path}: HTTP "
+                                 f"{response.status_code} {response.text[:200]}",
+                                 "a server that loads adapters at run time is one started for a LoRA training")
+        try:
+            yield label, path, srv
+        finally:
+            requests.post(f"{srv.url}/v1/unload_lora_adapter", json={"lora_name": label}, headers=rr.headers,
+                          timeout=120)
 
 
 def _lanes(rr: Resolved, models: int) -> list[Resolved]:

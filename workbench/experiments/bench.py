@@ -1,19 +1,23 @@
 """`workbench bench`: one GRPO configuration through every rollout path on this machine, measured in one run.
 
-    workbench bench --recipe cpu-tiny                          # tiny + ~100M random-weight model, 4 paths (~12 min)
+    workbench bench --recipe cpu-tiny                          # tiny + ~100M random-weight model, 5 paths (~15 min)
     workbench bench --recipe cpu-tiny --sizes tiny --steps 3 --warmup 1 --paths server,async
+    workbench bench --recipe cpu-tiny --sizes 100m --paths server,lora    # the full push against the adapter's
     notebooks/06_bench.ipynb                                   # the same, with the table and the figure inline
 
 Paths: `in-process` (TRL's own `generate` in the trainer process, server.mode off), `colocate` (TRL's vLLM engine
 inside the trainer process), `server` (the managed vLLM server, synchronous) and `async` (the managed server, the
-next batch generated while the current step trains: workbench/training/overlap.py). On the CPU the paths without a
-server get the server's cores too: the trade-off a user faces is "give cards to a server, or keep them all".
+next batch generated while the current step trains: workbench/training/overlap.py) and `lora` (the same as
+`server`, training a rank-16 adapter on every projection and pushing the adapter alone: server.weight_sync lora, on a
+LoRA server of its own). On the CPU the paths without a server get the server's cores too: the trade-off a user
+faces is "give cards to a server, or keep them all".
 
 Per path: the median over the measured steps (after `--warmup` steps) of the step time and its breakdown
 (generation as the server ran it, the trainer's wait for it, weight sync, reward, scoring, optimisation), the
 completion tokens per step, the generation's tokens/s, and the rollout efficiency: completion tokens per second of
 training ÷ the server's saturated tokens/s for the same request (a concurrency sweep against the same server, in the
-same run). Sizes: the recipe's model and, for the tiny model, a ~100M-parameter model of the same architecture with
+same run; for `lora` on its server, both on the base model and under the trained adapter: vLLM's decode cost of an
+unmerged adapter), and the megabytes each weight push moved. Sizes: the recipe's model and, for the tiny model, a ~100M-parameter model of the same architecture with
 random weights (built locally, no download), at 128-token completions and a smaller batch.
 
 Output: RUN/bench/bench.json (every number, the machine and the versions), bench.md (the table), bench.png, and one
@@ -41,11 +45,14 @@ from workbench.training import launch
 from workbench.training.config import preflight
 
 SERVED = ("server", "async")  # the paths that share one managed server (and its saturation sweep)
+OWN_SERVER = ("lora",)  # a path on a server of its own (started with LoRA slots), measured alone
+LORA = ["peft.r=16", "peft.lora_alpha=32", "peft.target_modules=all-linear"]
 PATHS = {  # name -> what the recipe says for it
     "in-process": ["server.mode=off", "rollout.mode=sync"],
     "colocate": ["server.mode=colocate", "rollout.mode=sync"],
     "server": ["server.mode=managed", "rollout.mode=sync"],
     "async": ["server.mode=managed", "rollout.mode=async"],
+    "lora": ["server.mode=managed", "rollout.mode=sync", *LORA],
 }
 SIZES = {  # name -> overrides on a tiny-model recipe ("tiny": the recipe as it is)
     "tiny": [],
@@ -59,7 +66,7 @@ SIZES = {  # name -> overrides on a tiny-model recipe ("tiny": the recipe as it 
 BREAKDOWN = ["time/generation", "time/rollout_wait", "time/weight_sync", "time/reward", "time/scoring",
              "time/optimisation"]
 HEADER = ["size", "path", "step s", "vs server", "generation s", "waited s", "sync s", "reward s", "scoring s",
-          "optimisation s", "tokens/step", "generation tok/s", "training tok/s", "rollout efficiency"]
+          "optimisation s", "tokens/step", "generation tok/s", "training tok/s", "rollout efficiency", "sync MB"]
 
 
 @dataclass
@@ -76,6 +83,7 @@ class PathResult:
     sampler_cpu_percent: float | None  # the monitor's sampler, % of one core over the training
     train_dir: str
     efficiency: float | None = None  # training tokens/s ÷ the server's saturated tokens/s (server paths)
+    sync_megabytes: float = 0.0  # median megabytes a weight push moved (0: no push)
 
 
 @dataclass
@@ -87,6 +95,8 @@ class Bench:
     results: list[PathResult] = field(default_factory=list)
     saturation: dict[str, dict] = field(default_factory=dict)  # size -> {concurrency: tokens/s, ..., "best": ..}
     sizes: dict[str, dict] = field(default_factory=dict)  # size -> parameters, completion tokens, batch
+    # size -> {"base": saturation on the LoRA server's base model, "adapter": under the lora path's trained adapter}
+    lora_saturation: dict[str, dict] = field(default_factory=dict)
     seconds: float = 0.0
 
     def result(self, size: str, path: str) -> PathResult | None:
@@ -102,7 +112,8 @@ class Bench:
                        + [f"{r.tokens_per_step:.0f}",
                           f"{r.generation_tokens_per_second:.0f}" if r.generation_tokens_per_second else "—",
                           f"{r.training_tokens_per_second:.0f}",
-                          f"{r.efficiency:.0%}" if r.efficiency is not None else "—"])
+                          f"{r.efficiency:.0%}" if r.efficiency is not None else "—",
+                          f"{r.sync_megabytes:.2f}"])
         return out
 
     def markdown(self) -> str:
@@ -119,6 +130,17 @@ class Bench:
             levels = ", ".join(f"{c} in flight {v:.0f}" for c, v in sat.items() if c != "best")
             lines.append(f"\n{size}: server saturated at {sat.get('best', 0):.0f} tokens/s for the training request "
                          f"({levels}); {self.sizes.get(size, {}).get('parameters', 0) / 1e6:.1f}M parameters")
+        for size, sat in self.lora_saturation.items():
+            base, adapter = sat["base"]["best"], sat["adapter"]["best"]
+            lines.append(f"\n{size}: the LoRA server saturated at {base:.0f} tokens/s on the base model and "
+                         f"{adapter:.0f} under the trained adapter: decode {base / adapter:.2f}× slower with it")
+        for size in dict.fromkeys(r.size for r in self.results):
+            full, lora = self.result(size, "server"), self.result(size, "lora")
+            if full and lora and full.sync_megabytes and full.breakdown["time/weight_sync"]:
+                lines.append(f"\n{size}: a LoRA push moved {lora.sync_megabytes:.2f} MB in "
+                             f"{lora.breakdown['time/weight_sync']:.3f} s, {lora.sync_megabytes / full.sync_megabytes:.1%}"
+                             f" of the full push's bytes and {lora.breakdown['time/weight_sync'] / full.breakdown['time/weight_sync']:.1%} of its "
+                             f"seconds ({full.sync_megabytes:.1f} MB in {full.breakdown['time/weight_sync']:.3f} s)")
         return "\n".join(lines) + "\n"
 
     def save(self, stage: StageDir) -> Path:
@@ -129,7 +151,8 @@ class Bench:
     @classmethod
     def load(cls, stage: StageDir) -> "Bench":
         raw = json.loads(Path(stage.json).read_text())
-        raw["results"] = [PathResult(**r) for r in raw.get("results", [])]
+        raw["results"] = [PathResult(**{k: v for k, v in r.items() if k in PathResult.__dataclass_fields__})
+                          for r in raw.get("results", [])]
         return cls(**raw)
 
     def figure(self, path: Path) -> Path:
@@ -198,12 +221,13 @@ def summarise(size: str, path: str, train_dir: TrainDir, warmup: int) -> PathRes
         training_tokens_per_second=tokens / step if step else 0.0,
         staleness=_median([m.get("rollout/staleness", 0.0) for m in measured]),
         sampler_cpu_percent=100 * monitor["core_share"] if "core_share" in monitor else None,
-        train_dir=str(train_dir.path))
+        train_dir=str(train_dir.path),
+        sync_megabytes=_median([m["sync/megabytes"] for m in measured if m.get("sync/megabytes")]))
 
 
-def saturation(rr: Resolved, url: str, concurrencies: list[int], rounds: int = 2) -> dict:
+def saturation(rr: Resolved, url: str, concurrencies: list[int], rounds: int = 2, adapter: str | None = None) -> dict:
     """The server's completion tokens/s for the training's own request (its prompts, n, max tokens, temperature)
-    with 1, 2, 4... such requests in flight at once."""
+    with 1, 2, 4... such requests in flight at once; with `adapter` (a LoRA directory), under that adapter."""
     from transformers import AutoTokenizer
 
     from workbench.serving import sync  # lazy: torch
@@ -217,6 +241,15 @@ def saturation(rr: Resolved, url: str, concurrencies: list[int], rounds: int = 2
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     client = sync.SyncingVLLMClient(base_url=url, weight_sync=sync.NoSync(), headers=rr.headers,
                                     request_timeout=rr.recipe.server.request_timeout_s)
+    client.model = rr.recipe.server.served_model_name
+    if adapter is not None:  # loaded under a name of its own, unloaded at the end
+        name = sync.adapter_name("bench", 0)
+        response = client.session.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": adapter},
+                                       headers=rr.headers, timeout=120)
+        if response.status_code != 200:
+            raise WorkbenchError(f"the bench's LoRA server refused the adapter {adapter}: {response.text[:200]}",
+                                 "read the server log in the bench's run directory")
+        client.model = name
     params = {"n": n, "temperature": float(args.get("temperature", 1.0)), "max_tokens": rr.recipe.max_completion_length}
     client.generate(prompts=prompts, **params)  # warm-up
     out: dict = {}
@@ -236,6 +269,9 @@ def saturation(rr: Resolved, url: str, concurrencies: list[int], rounds: int = 2
             t.join()
         out[str(c)] = sum(tokens) / (time.perf_counter() - started)
     out["best"] = max(v for k, v in out.items())
+    if adapter is not None:
+        client.session.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": client.model}, headers=rr.headers,
+                            timeout=120)
     return out
 
 
@@ -296,8 +332,9 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
         bench.sizes[size] = {"parameters": tinymodel.info(model_path)["parameters"] if sized.is_tiny else None,
                              "completion_tokens": sized.recipe.max_completion_length,
                              "completions_per_step": sized.recipe.trainer.get("per_device_train_batch_size")}
-        local = [p for p in paths if p not in SERVED]
+        local = [p for p in paths if p not in SERVED and p not in OWN_SERVER]
         served = [p for p in paths if p in SERVED]
+        alone = [p for p in paths if p in OWN_SERVER]
         for path in local:
             rr = plans[(size, path)]
             train_dir = run_dir.bench_training(size, path).make()
@@ -321,6 +358,21 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
             for r in bench.results:
                 if r.size == size and r.path in served:
                     r.efficiency = r.training_tokens_per_second / bench.saturation[size]["best"]
+        for path in alone:
+            rr = plans[(size, path)]
+            logs = run_dir.bench_server_logs(size)
+            logs.mkdir(exist_ok=True)
+            with VLLMServer(rr, model_path, logs, for_training=True) as srv:
+                train_dir = run_dir.bench_training(size, path).make()
+                log(f"bench: {size} {path}: its own server up in {srv.startup_seconds or 0:.0f}s; "
+                    f"{steps + warmup} steps")
+                run_trainer(rr, train_dir, model_path, srv.pid, srv.url, log=log, restart=srv.restart)
+                result = summarise(size, path, train_dir, warmup)
+                bench.results.append(result)
+                levels = concurrencies or [1, 2, 4]
+                bench.lora_saturation[size] = {"base": saturation(rr, srv.url, levels),
+                                               "adapter": saturation(rr, srv.url, levels, adapter=str(train_dir.final))}
+                result.efficiency = result.training_tokens_per_second / bench.lora_saturation[size]["adapter"]["best"]
         bench.seconds = round(time.time() - started, 1)
         bench.save(stage)  # after each size: an interrupted bench keeps what it measured
     bench.figure(stage.figure)

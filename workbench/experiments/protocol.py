@@ -31,6 +31,7 @@ recorded or finished is done again), and protocol.md (the tables), printed at th
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import statistics
@@ -100,6 +101,7 @@ class Protocol:
     selected: Outcome | None = None  # the model the choice picked, scored on test: shown, kept out of the result
     test: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
+    concurrent: int = 1  # trainings at once on the shared LoRA server (--concurrent)
 
     def gains(self) -> list[float]:
         return [o.gain for o in self.test]
@@ -153,7 +155,7 @@ class Protocol:
                    dict(data.get("base_evaluation") or {}),
                    [Outcome(**o) for o in data.get("validation") or []], data.get("chosen"),
                    outcome(data.get("selected")), [Outcome(**o) for o in data.get("test") or []],
-                   data.get("seconds") or 0.0)
+                   data.get("seconds") or 0.0, int(data.get("concurrent") or 1))
 
     def training(self, label: str) -> Training | None:
         return next((t for t in self.trainings if t.label == label), None)
@@ -183,8 +185,28 @@ def _key(override: str) -> str:
     return override.partition("=")[0].strip()
 
 
+def concurrent_overrides(recipe_name: str, candidates: list[Candidate], common: list[str], concurrent: int
+                         ) -> list[str]:
+    """What `--concurrent N` adds for every training: a LoRA server with two slots per training at once and the
+    largest rank any candidate trains, so that every candidate's training adopts the one shared server."""
+    from workbench import recipe  # lazy: yaml
+    from workbench.recipe.schema import VLLM_LORA_RANKS
+
+    loaded = [recipe.load(recipe_name, [*common, *c.overrides]) for c in candidates]
+    full = [c.name for c, r in zip(candidates, loaded) if not r.lora or r.server.weight_sync not in ("auto", "lora")]
+    if full:
+        raise WorkbenchError(f"--concurrent {concurrent} trains several runs on one server at once, but "
+                             f"{', '.join(map(repr, full))} pushes full weights, which would overwrite the others'",
+                             "give the recipe a peft: section (each training then pushes its own adapter), or drop "
+                             "--concurrent")
+    rank = max(r.lora_rank for r in loaded)
+    served = next((v for v in VLLM_LORA_RANKS if v >= rank), VLLM_LORA_RANKS[-1])
+    return [f"server.lora_slots={max(2 * concurrent, max(r.server.lora_slots for r in loaded))}",
+            f"server.max_lora_rank={max([served, *(r.server.max_lora_rank or 0 for r in loaded)])}"]
+
+
 def check(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: list[int],
-          common: list[str]) -> None:
+          common: list[str], concurrent: int = 1) -> None:
     """Everything that would stop the protocol after hours, refused before its first training: seeds, names,
     overrides that load, a validation split to choose on, evaluation rows on both splits, candidates that change
     the data or the evaluation."""
@@ -196,6 +218,8 @@ def check(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds
         raise WorkbenchError(f"the choice's seed {choose_seed} is also a test seed: that test result would be the "
                              "model picked for its validation score",
                              "choose with a seed that is not among --seeds, e.g. --choose-seed 0 --seeds 1,2,3")
+    if concurrent < 1:
+        raise WorkbenchError(f"--concurrent {concurrent}", "train 1 or more at once")
     names = [c.name for c in candidates]
     if len(set(names)) != len(names):
         raise WorkbenchError(f"two candidates share a name: {names}", "give each candidate its own name")
@@ -252,7 +276,10 @@ def _finished(directory: Path) -> RunDir | None:
     """The training in `directory` when it ran to its end (its summary and final model are there): a protocol
     killed after a training and before recording it keeps it."""
     run = _only_run(directory)
-    if run is None or not run.train.summary.exists() or not weights(run.train.final).exists():
+    if run is None or not run.train.summary.exists():
+        return None
+    final = run.train.final  # a model, or a LoRA run's adapter (evaluated on the base model's server)
+    if not weights(final).exists() and not (final / "adapter_model.safetensors").exists():
         return None
     return run
 
@@ -298,7 +325,8 @@ def _fresh(directory: Path) -> None:
 
 
 def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: list[int],
-        common: list[str] | None = None, resume: str | Path | None = None, log=print) -> tuple[Protocol, RunDir]:
+        common: list[str] | None = None, resume: str | Path | None = None, log=print, concurrent: int = 1
+        ) -> tuple[Protocol, RunDir]:
     """Choose on validation, report on test (module docstring); saves and returns the protocol and its run. With
     `resume`, an earlier protocol's directory: its recorded trainings and evaluations are kept, the rest done;
     `seeds` may add test seeds to it."""
@@ -314,15 +342,17 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
                                  "pass the directory `workbench protocol` printed (runs/<id>-protocol)")
         result = Protocol.from_json(json.loads(out.protocol.json.read_text()))
         result.seeds += [s for s in seeds if s not in result.seeds]
-        check(result.recipe, result.candidates, result.choose_seed, result.seeds, result.common)
+        check(result.recipe, result.candidates, result.choose_seed, result.seeds, result.common, result.concurrent)
         log(f"resuming {out.path}: {len(result.trainings)} training(s), {len(result.validation)} validation and "
             f"{len(result.test)} test result(s) kept")
     else:
         common = list(common or [])
         candidates = [Candidate(BASELINE, []), *candidates]
-        check(recipe_name, candidates, choose_seed, seeds, common)
+        if concurrent > 1:  # one LoRA server that every candidate's training adopts (checked in `check`)
+            common = [*common, *concurrent_overrides(recipe_name, candidates, common, concurrent)]
+        check(recipe_name, candidates, choose_seed, seeds, common, concurrent)
         out = RunDir.create(recipe.load(recipe_name, common), "protocol")
-        result = Protocol(recipe_name, choose_seed, list(seeds), candidates, common)
+        result = Protocol(recipe_name, choose_seed, list(seeds), candidates, common, concurrent=concurrent)
     stage = out.protocol.make()
     started = time.time() - result.seconds
     shared = SharedServer(stage.server, log)
@@ -343,17 +373,18 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
             shared.close()
             log(f"(no shared server: {exc.cause.splitlines()[0][:200]}; each training starts its own)")
 
-    def train(c: Candidate, index: int, seed: int, split: str) -> Training:
+    def train(c: Candidate, index: int, seed: int, split: str, answer: bool = True, record: bool = True) -> Training:
         label = _label(index, seed, split)
         directory = stage.runs / label
         done = _finished(directory)
         if done is None:
             _fresh(directory)
             overrides = [*c.overrides, f"trainer.seed={seed}", f"eval.split={split}"]
-            share(resolved(overrides))
+            if answer:  # concurrent trainings: the batch opened the server and answers for all of them
+                share(resolved(overrides))
             log(f"[{time.time() - started:5.0f}s] {c.name!r}, seed {seed}: train, to be scored on {split} "
                 f"(log: {out.protocol_log(label)})")
-            with shared.answering():
+            with shared.answering() if answer else contextlib.nullcontext():
                 _workbench(["train", "--recipe", result.recipe, *result.common, *overrides,
                             f"monitor.runs_dir={directory}"], out.protocol_log(label))
             done = _finished(directory)
@@ -362,9 +393,33 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
                                      f"see {out.protocol_log(label)}")
         summary = json.loads(done.train.summary.read_text())
         training = Training(label, c.name, seed, split, str(done.path), summary.get("train_seconds"))
-        result.trainings.append(training)
-        save()
+        if record:
+            result.trainings.append(training)
+            save()
         return training
+
+    def train_all(jobs: list[tuple[Candidate, int, int, str]]) -> None:
+        """The jobs one after the other, or `result.concurrent` at a time on the shared LoRA server: each training
+        adopts it and pushes its own adapter (serving/sync.py LoraSync)."""
+        jobs = [j for j in jobs if not result.training(_label(j[1], j[2], j[3]))]
+        if result.concurrent <= 1 or len(jobs) < 2:
+            for job in jobs:
+                train(*job)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        c, _, seed, split = jobs[0]
+        share(resolved([*c.overrides, f"trainer.seed={seed}", f"eval.split={split}"]))
+        if shared.server is None:
+            raise WorkbenchError("--concurrent needs the protocol's shared server, which did not start",
+                                 "read the shared server's log under RUN/protocol/server, or drop --concurrent")
+        log(f"[{time.time() - started:5.0f}s] {len(jobs)} trainings, {result.concurrent} at a time on "
+            f"{shared.server.url}")
+        with shared.answering(), ThreadPoolExecutor(max_workers=result.concurrent) as pool:
+            futures = [pool.submit(train, *job, answer=False, record=False) for job in jobs]
+            for future in futures:  # recorded in the jobs' order, whichever finished first; the first failure is
+                result.trainings.append(future.result())  # raised (a finished training is kept for --resume)
+                save()
 
     def evaluate_split(split: str, pending: list[tuple[Training, RunDir]]) -> dict[str, Outcome]:
         """One evaluation of the split: the base (unless scored already) and every pending model, each once; each
@@ -398,9 +453,7 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
 
     try:
         # 1. choose on the validation split
-        for i, c in enumerate(result.candidates):
-            if not result.training(_label(i, result.choose_seed, VALIDATION)):
-                train(c, i, result.choose_seed, VALIDATION)
+        train_all([(c, i, result.choose_seed, VALIDATION) for i, c in enumerate(result.candidates)])
         scored = {o.candidate for o in result.validation}
         pending = [(t, RunDir(t.run)) for t in result.trainings
                    if t.split == VALIDATION and t.candidate not in scored]
@@ -415,9 +468,7 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
         log(f"chosen on validation: {chosen.name!r} ({best.base:.1%} → {best.trained:.1%})")
 
         # 2. report on the test split: the chosen setting trained afresh per seed, and the picked model itself
-        for seed in result.seeds:
-            if not result.training(_label(index, seed, TEST)):
-                train(chosen, index, seed, TEST)
+        train_all([(chosen, index, seed, TEST) for seed in result.seeds])
         pending = [(t, RunDir(t.run)) for t in result.trainings
                    if t.split == TEST and t.seed not in {o.seed for o in result.test}]
         picked = None

@@ -300,9 +300,27 @@ def outcomes(runs: Runs) -> pd.DataFrame:
             "train_seconds": summary.get("train_seconds", math.nan),
             "step_seconds": runs.step_times.loc[run.label, "time/step"],
         }
+    adapters = {run.label: _adapter_names(run) for run in runs.runs}
+    if any(prefix for prefix, _ in adapters.values()):  # LoRA runs: which of them trained on one server at once
+        for run in runs.runs:
+            prefix, seen = adapters[run.label]
+            rows[run.label]["shared_server_with"] = ", ".join(
+                other for other, (their_prefix, their_seen) in adapters.items()
+                if other != run.label and their_prefix and (their_prefix in seen or prefix in their_seen)) or "–"
     frame = pd.DataFrame.from_dict(rows, orient="index")
     frame.index.name = "run"
     return frame
+
+
+def _adapter_names(run: Run) -> tuple[str | None, list[str]]:
+    """A LoRA run's adapter-name prefix and the other runs' prefixes it saw on its server (train.json, or the
+    events of a run that did not finish)."""
+    summary = (run.data.train_summary or {}).get("adapter") or {}
+    events = run.data.events
+    prefix = summary.get("prefix") or next((e.get("prefix") for e in events if e.get("kind") == "lora_adapters"), None)
+    seen = summary.get("shared_with") or [e["adapter"].rsplit(".s", 1)[0] + ".s" for e in events
+                                          if e.get("kind") == "server_shared" and e.get("adapter")]
+    return prefix, list(seen)
 
 
 def side_by_side(runs: Runs, ignore: Iterable[str] = tuple(IGNORED_KEYS), readable: bool = False) -> pd.DataFrame:

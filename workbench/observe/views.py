@@ -53,6 +53,14 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
     if monitor.get("wall_seconds"):
         out.append(("sampler CPU time", f"{monitor['cpu_seconds']:.2f}s over {monitor['wall_seconds']:.0f}s "
                                         f"({monitor['core_share']:.2%} of a core)"))
+    adapter = summary.get("adapter") or {}
+    if adapter:
+        out.append(("LoRA adapter", f"rank {adapter.get('rank')}, {adapter.get('bytes', 0) / 1e6:.2f} MB a push, "
+                                    f"named {adapter.get('prefix')}* on the server"))
+    shared = adapter.get("shared_with") or sorted({e["adapter"].rsplit(".s", 1)[0] + ".s" for e in data.events
+                                                   if e.get("kind") == "server_shared" and e.get("adapter")})
+    if shared:
+        out.append(("server shared with", ", ".join(f"{p}*" for p in shared)))
     if summary.get("stopped_early_at") is not None:
         out.append(("stopped early", f"at step {summary['stopped_early_at']} (STOP)"))
     if data.canary:

@@ -298,6 +298,8 @@ class LoraSync(ReloadSync):
         self.rank = rank
         self.current: str | None = None  # the version the server holds for this run
         self.unloaded: list[str] = []  # adapters of other runs this run unloaded as stale (for the run's events)
+        self.others_seen: list[str] = []  # name prefixes of the other runs whose adapters shared the server
+        self.events: Path | None = None  # the run's events.jsonl: a server_shared event when another run shows up
 
     @property
     def directory(self) -> Path:
@@ -345,6 +347,7 @@ class LoraSync(ReloadSync):
                 logger.warning("unloaded the adapter %s: not re-pushed for %.0f s (server.lora_stale_s=%.0f), its "
                                "run is gone", name, now - pushed, self.stale_s)
         others = [n for n in self.adapters(client) if n != self.current]
+        self._note_others(others)
         if len(others) + (1 if self.current else 0) + need > self.slots:
             raise WorkbenchError(
                 f"the server at {client.base_url} holds {len(others)} adapter(s) of other runs "
@@ -352,6 +355,18 @@ class LoraSync(ReloadSync):
                 f"(server.lora_slots); this run needs {need}",
                 "wait for a run to finish, start the shared server with more server.lora_slots, or lower "
                 "server.lora_stale_s so that dead runs' adapters are freed sooner")
+
+    def _note_others(self, names: list[str]) -> None:
+        from workbench.records import append_event
+
+        for name in names:
+            other = name.rsplit(".s", 1)[0] + ".s" if name.startswith(LORA_PREFIX) else name
+            if other == self.prefix or other in self.others_seen:
+                continue
+            self.others_seen.append(other)
+            if self.events is not None:
+                append_event(self.events, "server_shared", f"the server also serves another run's adapter ({name})",
+                             adapter=name)
 
     def _unload(self, client, name: str) -> bool:
         response = client.session.post(f"{client.base_url}/v1/unload_lora_adapter", json={"lora_name": name},

@@ -164,6 +164,8 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
     several = rr.trainer_processes > 1 or rr.recipe.distributed.nodes > 1
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if several else None
     weight_sync = sync.make(rr, tag=f"{train_dir.path.parent.name}-{os.getpid()}")
+    if isinstance(weight_sync, sync.LoraSync):
+        weight_sync.events = train_dir.events  # another run's adapter on the same server: an event of this run
     recovery = Recovery(rr, train_dir, restart, log=log) if restart is not None else None
     trainer = None
     try:
@@ -232,7 +234,7 @@ def _adapter_record(rr: Resolved, weight_sync, train_dir: TrainDir) -> dict | No
     from workbench.training.export import adapter_bytes
 
     return {"prefix": getattr(weight_sync, "prefix", None), "rank": rr.recipe.lora_rank,
-            "bytes": adapter_bytes(train_dir.final)}
+            "bytes": adapter_bytes(train_dir.final), "shared_with": list(getattr(weight_sync, "others_seen", []))}
 
 
 def _stopped_with_checkpoint(trainer, train_dir: TrainDir, exc, several: bool, log) -> Exception:
