@@ -49,6 +49,9 @@ from workbench.secrets import redact, scrub, scrub_data, secret_values
 RECIPE = "recipe.yaml"
 STOP = "STOP"
 WEIGHTS = "model.safetensors"  # what a Hugging Face save writes (a run's final/ and checkpoints, a base model)
+# what peft's save writes for a LoRA run's final/ (and what the adapter sync hands the server): the adapter alone
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -293,6 +296,16 @@ def comparison(out: Path | str | None = None, beside: Path | str | None = None) 
 def weights(model_dir: Path | str) -> Path:
     """The weights file of a saved model directory (final/, a checkpoint, a base model)."""
     return Path(model_dir) / WEIGHTS
+
+
+def is_adapter(model_dir: Path | str) -> bool:
+    """A peft adapter directory (a LoRA run's final/): its config, no config.json of a model of its own."""
+    return (Path(model_dir) / ADAPTER_CONFIG).is_file() and not (Path(model_dir) / "config.json").is_file()
+
+
+def trained_weights(model_dir: Path | str) -> Path:
+    """The weights a training saved in `model_dir`: the model's, or a LoRA run's adapter's."""
+    return Path(model_dir) / (ADAPTER_WEIGHTS if is_adapter(model_dir) else WEIGHTS)
 
 
 def set_aside(directory: Path) -> Path:

@@ -37,14 +37,14 @@ from pathlib import Path
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved, load
-from workbench.rundir import StageDir, write_atomic
+from workbench.rundir import ADAPTER_CONFIG, StageDir, is_adapter, write_atomic
 from workbench.serving import client, launch
 from workbench.serving.server import VLLMServer, shared_server
 from workbench.tasks import dataset
 from workbench.tasks.grading import grade
 from workbench.tinymodel import ensure_model
 from workbench.training.canary import Canary, probe_sequences, thresholds
-from workbench.training.export import ADAPTER_CONFIG, is_adapter
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Preflight

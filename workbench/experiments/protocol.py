@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
-from workbench.rundir import RunDir, set_aside, weights, write_atomic
+from workbench.rundir import RunDir, set_aside, trained_weights, write_atomic
 from workbench.tasks import dataset
 
 BASELINE = "recipe"
@@ -278,8 +278,7 @@ def _finished(directory: Path) -> RunDir | None:
     run = _only_run(directory)
     if run is None or not run.train.summary.exists():
         return None
-    final = run.train.final  # a model, or a LoRA run's adapter (evaluated on the base model's server)
-    if not weights(final).exists() and not (final / "adapter_model.safetensors").exists():
+    if not trained_weights(run.train.final).exists():  # a model, or a LoRA run's adapter
         return None
     return run
 

@@ -40,6 +40,7 @@ from trl.generation.vllm_client import VLLMClient
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
+from workbench.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from workbench.serving.client import LORA_PREFIX, adapter_pushed_at, lora_server
 from workbench.serving.launch import is_loopback
 
@@ -284,7 +285,7 @@ class LoraSync(ReloadSync):
     """
 
     name = "lora"
-    FILES = ("adapter_model.safetensors", "adapter_config.json")
+    FILES = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)  # peft's names: what vLLM's LoRA loader reads
 
     def __init__(self, directory: str | Path | None = None, tag: str = "", slots: int = 4,
                  stale_s: float = 1800.0, base_name: str = "policy", rank: int = 0) -> None:

@@ -16,20 +16,15 @@ import shutil
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
-from workbench.rundir import RunDir
+from workbench.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, RunDir, is_adapter
 
-ADAPTER_CONFIG = "adapter_config.json"
-
-
-def is_adapter(path: Path | str) -> bool:
-    """A peft adapter directory (adapter_config.json, no config.json of its own)."""
-    path = Path(path)
-    return (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file()
+__all__ = ["ADAPTER_CONFIG", "adapter_bytes", "check", "export", "is_adapter"]
 
 
 def adapter_bytes(path: Path | str) -> int:
-    """The size of an adapter's weights file(s): what each push of a LoRA run moves."""
-    return sum(p.stat().st_size for p in Path(path).glob("adapter_model.*"))
+    """The size of an adapter's weights file: what each push of a LoRA run moves."""
+    file = Path(path) / ADAPTER_WEIGHTS
+    return file.stat().st_size if file.is_file() else 0
 
 
 def check(run: RunDir, out: Path | None, merge: bool) -> tuple[Path, Path]:
