@@ -249,7 +249,7 @@ def test_hung_self_test_ends_its_whole_process_group(tmp_path):
     environ = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "HANG_PIDS": str(pids)}
     report = envcheck.Report(platform="cpu")
     started = time.time()
-    envcheck.run_collective(report, "cpu", 2, timeout=15, environ=environ, module="hangrank")
+    envcheck.run_collective(report, "cpu", 2, timeout=10, environ=environ, module="hangrank")
     check = report.checks[-1]
     assert check.status == "fail" and "a hang; all ended" in check.found
     ranks = [int(p) for p in pids.read_text().split()]

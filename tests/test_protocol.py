@@ -4,6 +4,7 @@ validation split, the chosen one's model scored on the test split."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -127,7 +128,9 @@ def test_protocol_chooses_on_validation_and_reports_on_test(tiny_model_dir, tmp_
                                  "--candidate", "lr-high: trainer.learning_rate=1e-3", "--concurrent", "2",
                                  "peft.r=8", "peft.target_modules=all-linear",
                                  f"server.port={port}", "eval.num_samples=12", f"monitor.runs_dir={tmp_path}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
+    # the server's log at INFO (its adapter loads): importing TRL in this process set vLLM's level to ERROR for children
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=840, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [protocol_run] = [p for p in tmp_path.iterdir() if p.name.endswith("-protocol")]
     stage = RunDir(protocol_run).protocol

@@ -120,7 +120,36 @@ def test_a_rank_asks_the_owner_for_a_restart(tmp_path):
     finally:
         stop.set()
         thread.join()
-    assert served == [1] and not train_dir.restart_request.exists() and not train_dir.restart_answer.exists()
+    assert served == [1] and not train_dir.restart_request.exists()
+
+
+def test_two_ranks_asking_at_once_get_one_restart(tmp_path):
+    """Two processes see one fault (the concurrent trainings of a protocol on its shared server): the second request
+    overwrites the first, and the one restart answers both; neither waits until its timeout."""
+    train_dir = TrainDir(tmp_path / "train").make()
+    served, answers = [], []
+    askers = [threading.Thread(target=lambda: answers.append(RestartRequest(train_dir, timeout=10)()))
+              for _ in range(2)]
+    for asker in askers:
+        asker.start()
+    time.sleep(0.3)  # both requests written (the second over the first) before the owner looks
+    stop = threading.Event()
+
+    def owner():
+        while not stop.is_set():
+            serve_restart_requests(train_dir, lambda: served.append(1) or time.sleep(0.2) or 42.0)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    started = time.time()
+    try:
+        for asker in askers:
+            asker.join(timeout=15)
+    finally:
+        stop.set()
+        thread.join()
+    assert answers == [42.0, 42.0] and served == [1] and time.time() - started < 5
 
 
 def test_a_failed_restart_reaches_the_rank(tmp_path):

@@ -159,7 +159,7 @@ def lora_params(rr: Resolved, shape: ModelShape) -> float:
     elif targets is None:
         names = list(LORA_DEFAULT_TARGETS)
     elif isinstance(targets, str):  # peft: a regular expression matched against the full module name
-        names = [n for n in dims if re.fullmatch(targets, f"model.layers.0.x.{n}") or re.search(targets, n)]
+        names = [n for n in dims if re.fullmatch(targets, f"model.layers.0.{'mlp' if 'proj' in n and n[0] in 'gud' else 'self_attn'}.{n}")]
     else:
         names = [n for n in dims if any(n == t or n.endswith(f".{t}") or t.endswith(n) for t in targets)]
     return float(shape.layers * sum(rr.recipe.lora_rank * sum(dims[n]) for n in names))

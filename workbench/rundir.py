@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -58,7 +59,9 @@ _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 def write_atomic(path: Path | str, text: str | bytes) -> Path:
     """Write through a temporary file and rename: a reader (or a crash) never sees half a file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # one temporary name per process and thread: two threads writing one file (askers of one restart) must not
+    # share the temporary file either
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         f.write(text.encode() if isinstance(text, str) else text)
         f.flush()

@@ -565,8 +565,11 @@ def _loaded_adapters(rr: Resolved, items: list[tuple[str, str]], srv):
         try:
             yield label, path, srv
         finally:
-            requests.post(f"{srv.url}/v1/unload_lora_adapter", json={"lora_name": label}, headers=rr.headers,
-                          timeout=120)
+            try:
+                requests.post(f"{srv.url}/v1/unload_lora_adapter", json={"lora_name": label}, headers=rr.headers,
+                              timeout=120)
+            except requests.RequestException:  # a dead server: its error is the one that matters
+                pass
 
 
 def _lanes(rr: Resolved, models: int) -> list[Resolved]:

@@ -251,6 +251,18 @@ def saturation(rr: Resolved, url: str, concurrencies: list[int], rounds: int = 2
                                  "read the server log in the bench's run directory")
         client.model = name
     params = {"n": n, "temperature": float(args.get("temperature", 1.0)), "max_tokens": rr.recipe.max_completion_length}
+    try:
+        return _saturate(client, prompts, params, concurrencies, rounds)
+    finally:
+        if adapter is not None:
+            try:
+                client.session.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": client.model},
+                                    headers=rr.headers, timeout=120)
+            except Exception:  # the server's own failure is the error that matters
+                pass
+
+
+def _saturate(client, prompts: list, params: dict, concurrencies: list[int], rounds: int) -> dict:
     client.generate(prompts=prompts, **params)  # warm-up
     out: dict = {}
     for c in concurrencies:
@@ -269,9 +281,6 @@ def saturation(rr: Resolved, url: str, concurrencies: list[int], rounds: int = 2
             t.join()
         out[str(c)] = sum(tokens) / (time.perf_counter() - started)
     out["best"] = max(v for k, v in out.items())
-    if adapter is not None:
-        client.session.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": client.model}, headers=rr.headers,
-                            timeout=120)
     return out
 
 

@@ -187,22 +187,36 @@ def _key(override: str) -> str:
 
 def concurrent_overrides(recipe_name: str, candidates: list[Candidate], common: list[str], concurrent: int
                          ) -> list[str]:
-    """What `--concurrent N` adds for every training: a LoRA server with two slots per training at once and the
-    largest rank any candidate trains, so that every candidate's training adopts the one shared server."""
+    """What a protocol of LoRA candidates adds for every training: the largest rank any candidate trains (the one
+    shared server, started from the first recipe, must load every candidate's adapter, also to score it), and with
+    `--concurrent N` two slots per training at once. Refused: `--concurrent` with full-weight pushes, or with
+    candidates whose server would differ (they could not adopt the one server)."""
     from workbench import recipe  # lazy: yaml
     from workbench.recipe.schema import VLLM_LORA_RANKS
+    from workbench.serving import launch
 
     loaded = [recipe.load(recipe_name, [*common, *c.overrides]) for c in candidates]
-    full = [c.name for c, r in zip(candidates, loaded) if not r.lora or r.server.weight_sync not in ("auto", "lora")]
-    if full:
+    adapters = [r.lora and r.server.weight_sync in ("auto", "lora") for r in loaded]
+    if concurrent > 1 and not all(adapters):
+        full = [c.name for c, a in zip(candidates, adapters) if not a]
         raise WorkbenchError(f"--concurrent {concurrent} trains several runs on one server at once, but "
                              f"{', '.join(map(repr, full))} pushes full weights, which would overwrite the others'",
                              "give the recipe a peft: section (each training then pushes its own adapter), or drop "
                              "--concurrent")
-    rank = max(r.lora_rank for r in loaded)
+    if not any(adapters):
+        return []
+    rank = max(r.lora_rank for r, a in zip(loaded, adapters) if a)
     served = next((v for v in VLLM_LORA_RANKS if v >= rank), VLLM_LORA_RANKS[-1])
-    return [f"server.lora_slots={max(2 * concurrent, max(r.server.lora_slots for r in loaded))}",
-            f"server.max_lora_rank={max([served, *(r.server.max_lora_rank or 0 for r in loaded)])}"]
+    added = [f"server.max_lora_rank={max([served, *(r.server.max_lora_rank or 0 for r in loaded)])}"]
+    if concurrent > 1:
+        added.insert(0, f"server.lora_slots={max(2 * concurrent, max(r.server.lora_slots for r in loaded))}")
+        commands = {tuple(launch.command(recipe.resolve(recipe.load(recipe_name, [*common, *added, *c.overrides])),
+                                         "MODEL")) for c in candidates}
+        if len(commands) > 1:
+            raise WorkbenchError(f"--concurrent {concurrent}: the candidates' servers differ (a candidate changes a "
+                                 "server. setting), so they cannot share the protocol's one server",
+                                 "vary training settings only, or drop --concurrent")
+    return added
 
 
 def check(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: list[int],
@@ -347,9 +361,9 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
     else:
         common = list(common or [])
         candidates = [Candidate(BASELINE, []), *candidates]
-        if concurrent > 1:  # one LoRA server that every candidate's training adopts (checked in `check`)
-            common = [*common, *concurrent_overrides(recipe_name, candidates, common, concurrent)]
         check(recipe_name, candidates, choose_seed, seeds, common, concurrent)
+        # LoRA candidates: one server that loads every candidate's adapter (and, concurrent, runs them at once)
+        common = [*common, *concurrent_overrides(recipe_name, candidates, common, concurrent)]
         out = RunDir.create(recipe.load(recipe_name, common), "protocol")
         result = Protocol(recipe_name, choose_seed, list(seeds), candidates, common, concurrent=concurrent)
     stage = out.protocol.make()
@@ -416,9 +430,13 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
             f"{shared.server.url}")
         with shared.answering(), ThreadPoolExecutor(max_workers=result.concurrent) as pool:
             futures = [pool.submit(train, *job, answer=False, record=False) for job in jobs]
-            for future in futures:  # recorded in the jobs' order, whichever finished first; the first failure is
-                result.trainings.append(future.result())  # raised (a finished training is kept for --resume)
-                save()
+            try:
+                for future in futures:  # recorded in the jobs' order, whichever finished first; the first failure
+                    result.trainings.append(future.result())  # is raised (a finished training is kept for --resume)
+                    save()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)  # the queued ones do not start; the running ones end
+                raise
 
     def evaluate_split(split: str, pending: list[tuple[Training, RunDir]]) -> dict[str, Outcome]:
         """One evaluation of the split: the base (unless scored already) and every pending model, each once; each

@@ -362,6 +362,22 @@ def _ranges(recipe: Recipe) -> list[WorkbenchError]:
     return [p for p in out if p is not None]
 
 
+# peft options an adapter sync cannot use: vLLM's LoRA loader refuses them, or they change the base weights the
+# server keeps (PiSSA, OLoRA, CorDA, LoftQ initialise from and modify the base)
+UNSERVABLE_PEFT = {
+    "use_dora": "vLLM does not serve DoRA adapters",
+    "lora_bias": "vLLM does not serve adapter biases",
+    "bias": "vLLM does not serve trained biases (bias must be 'none')",
+    "modules_to_save": "vLLM serves no fully trained modules beside an adapter",
+    "layer_replication": "vLLM does not serve layer replication",
+    "use_qalora": "vLLM does not serve QALoRA",
+    "alora_invocation_tokens": "vLLM does not serve activated LoRA",
+    "target_parameters": "vLLM serves adapters on modules, not on parameters",
+    "trainable_token_indices": "vLLM serves no trained token embeddings beside an adapter",
+    "init_lora_weights": "this initialisation changes the base weights, which the server keeps as they were",
+}
+
+
 def _peft(recipe: Recipe) -> list[WorkbenchError]:
     """The peft: section against peft.LoraConfig (read from peft's source), and what an adapter sync needs."""
     out, s = [], recipe.server
@@ -386,6 +402,20 @@ def _peft(recipe: Recipe) -> list[WorkbenchError]:
     if rank < 1:
         out.append(WorkbenchError(f"peft.r is {rank}", "set peft.r to 1 or more, e.g. 16"))
     adapter_sync = s.weight_sync in ("auto", "lora") and s.uses_vllm
+    if adapter_sync:  # what vLLM's LoRA loader refuses (vllm/lora/peft_helper.py _validate_features), or a base it
+        for key, why in UNSERVABLE_PEFT.items():  # would not have: refused here, not at the first push
+            value = recipe.peft.get(key)
+            if key == "init_lora_weights":
+                # the inits vLLM serves (peft_helper._init_is_supported): they set the adapter only, not the base
+                bad = isinstance(value, str) and value.lower() not in ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+            elif key == "bias":
+                bad = value != "none"
+            else:
+                bad = value not in (None, False, [], {})
+            if key in recipe.peft and bad:
+                out.append(WorkbenchError(f"peft.{key}={value!r}: {why}",
+                                          f"drop peft.{key}, or push the merged model instead "
+                                          "(server.weight_sync reload/nccl/hccl)"))
     if adapter_sync and s.max_lora_rank is not None and s.max_lora_rank not in VLLM_LORA_RANKS:
         out.append(WorkbenchError(f"server.max_lora_rank is {s.max_lora_rank}, which vLLM does not accept",
                                   f"use one of {list(VLLM_LORA_RANKS)}, or null for the smallest that holds peft.r"))

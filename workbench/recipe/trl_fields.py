@@ -153,6 +153,16 @@ def _annotation_problem(wanted: str, value: Any, owner: str) -> str | None:
             if value is False:
                 return None
             continue
+        if base == "Literal":  # one of the listed values (peft's init_lora_weights: bool | Literal['gaussian', ...])
+            try:
+                listed = ast.literal_eval(f"[{option[len('Literal['):-1]}]")
+                # a listed pattern ('pissa_niter_[number of iters]'): its fixed start
+                if value in listed or (isinstance(value, str) and any(
+                        isinstance(x, str) and "[" in x and value.startswith(x.split("[", 1)[0]) for x in listed)):
+                    return None
+            except (ValueError, SyntaxError):
+                return None  # not a list of literals we can read: leave it to the library
+            continue
         accepted = _ACCEPTS.get(base, (str,))
         if bool in accepted or not isinstance(value, bool):  # True is an int to Python, not to a recipe
             if isinstance(value, accepted):

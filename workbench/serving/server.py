@@ -30,6 +30,7 @@ so a training's recovery still works.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import os
@@ -427,9 +428,14 @@ def shared_server() -> dict | None:
 def ask_restart(request: Path, answer: Path, timeout: float, owner: str) -> dict:
     """Ask the process that owns a server (`owner`, for the message) to restart it, through two files it watches
     (answer_restart); waits for its answer: {"seconds", "pid"}. A rank asks `workbench train`
-    (training/recovery.py), a stage asks `workbench run` for its shared server."""
+    (training/recovery.py), a stage asks `workbench run` for its shared server.
+
+    Several processes may ask at once (the concurrent trainings of a protocol on its shared server, all seeing one
+    fault): a request overwrites another, and one restart answers them all. So a successful answer to another
+    token, written after this process asked, is this process's answer too (the server is already a new one), and
+    this process's request, when still pending, is withdrawn."""
     token = f"{os.getpid()}-{time.time()}"
-    answer.unlink(missing_ok=True)
+    asked = time.time()
     write_atomic(request, token)
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -437,8 +443,12 @@ def ask_restart(request: Path, answer: Path, timeout: float, owner: str) -> dict
             reply = json.loads(answer.read_text())
         except (OSError, ValueError):
             reply = {}
-        if reply.get("token") == token:
-            answer.unlink(missing_ok=True)
+        mine = reply.get("token") == token
+        if mine or (reply.get("answered", 0) > asked and not reply.get("error")):
+            if not mine:
+                with contextlib.suppress(OSError):
+                    if request.read_text() == token:
+                        request.unlink()
             if reply.get("error"):
                 raise WorkbenchError(f"the server restart failed: {reply['error']}", "read the server log")
             return reply
@@ -461,6 +471,7 @@ def answer_restart(request: Path, answer: Path, restart, pid=lambda: None) -> bo
         reply["pid"] = pid()
     except Exception as exc:  # the asking side raises it, and its recovery reports the lost server
         reply["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    reply["answered"] = time.time()  # every asker that asked before this may take it (ask_restart)
     write_atomic(answer, json.dumps(reply))
     return True
 

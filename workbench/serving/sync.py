@@ -308,7 +308,8 @@ class LoraSync(ReloadSync):
             base = self.parent if self.parent is not None else (
                 Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir()))
             base.mkdir(parents=True, exist_ok=True)
-            remove_stale_sync_dirs(base)
+            if self.parent is None:  # this machine's RAM disk: a dead pid here is a dead run of this machine. A given
+                remove_stale_sync_dirs(base)  # sync_dir may be shared over NFS with trainer hosts whose pids differ
             self._own = Path(tempfile.mkdtemp(prefix=f"{SYNC_PREFIX}{os.getpid()}-", dir=base))
             self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._own), True)
         return self._own
@@ -328,6 +329,12 @@ class LoraSync(ReloadSync):
         client.model = self.base_name  # until the first push: the zero-initialised adapter is the base model
         self.free_slots(client, need=2)
 
+    def reconnect(self, client, device) -> None:
+        """A restarted server holds no adapter: this run needs one slot for its current version (the recovery then
+        loads it: reload_current), two when it has pushed none yet."""
+        self.check_server(client)
+        self.free_slots(client, need=1 if self.current else 2, holding=False)
+
     def check_server(self, client) -> None:
         """The server loads adapters at run time, of this rank (client.lora_server); its slot count wins over the
         recipe's (a shared server was started by another recipe)."""
@@ -335,8 +342,9 @@ class LoraSync(ReloadSync):
         if told and told["slots"]:
             self.slots = told["slots"]
 
-    def free_slots(self, client, need: int) -> None:
-        """Unload the stale adapters of dead runs; refuse, in one line, when the server still has no room."""
+    def free_slots(self, client, need: int, holding: bool = True) -> None:
+        """Unload the stale adapters of dead runs; refuse, in one line, when the server still has no room for `need`
+        more (beside this run's current version, when the server holds it: `holding`)."""
         now = time.time()
         held = self.adapters(client)
         for name in held:
@@ -349,7 +357,7 @@ class LoraSync(ReloadSync):
                                "run is gone", name, now - pushed, self.stale_s)
         others = [n for n in self.adapters(client) if n != self.current]
         self._note_others(others)
-        if len(others) + (1 if self.current else 0) + need > self.slots:
+        if len(others) + (1 if self.current and holding else 0) + need > self.slots:
             raise WorkbenchError(
                 f"the server at {client.base_url} holds {len(others)} adapter(s) of other runs "
                 f"({', '.join(others[:4])}{' ...' if len(others) > 4 else ''}) and has {self.slots} LoRA slots "
@@ -369,18 +377,24 @@ class LoraSync(ReloadSync):
                 append_event(self.events, "server_shared", f"the server also serves another run's adapter ({name})",
                              adapter=name)
 
+    # Load and unload go out without the client's session: it retries a 500 three times and then raises urllib3's
+    # RetryError, which hides vLLM's answer (0.32 answers 500 for an adapter its engine refuses: DoRA, bias, rank).
     def _unload(self, client, name: str) -> bool:
-        response = client.session.post(f"{client.base_url}/v1/unload_lora_adapter", json={"lora_name": name},
-                                       headers=client._auth, timeout=60)
+        import requests
+
+        response = requests.post(f"{client.base_url}/v1/unload_lora_adapter", json={"lora_name": name},
+                                 headers=client._auth, timeout=60)
         if response.status_code in (200, 404):  # 404: already gone (another run freed it, or a restarted server)
             return response.status_code == 200
         raise WorkbenchError(f"unloading the adapter {name} answered HTTP {response.status_code}: "
                              f"{response.text[:200]}", "check the server log")
 
     def _load(self, client, name: str, path: Path) -> None:
-        response = client.session.post(f"{client.base_url}/v1/load_lora_adapter",
-                                       json={"lora_name": name, "lora_path": str(path)},
-                                       headers=client._auth, timeout=client_timeout(client))
+        import requests
+
+        response = requests.post(f"{client.base_url}/v1/load_lora_adapter",
+                                 json={"lora_name": name, "lora_path": str(path)},
+                                 headers=client._auth, timeout=client_timeout(client))
         if response.status_code == 404 and "load_lora_adapter" in response.url and "Not Found" in response.text:
             raise WorkbenchError(f"the server at {client.base_url} has no runtime LoRA endpoints",
                                  "start it with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (a managed "
@@ -420,12 +434,23 @@ class LoraSync(ReloadSync):
         logger.info("weight sync (lora): %s, %.2f MB in %.3f s", name, moved / 1e6, seconds)
 
     def reload_current(self, client) -> None:
-        """After a server restart: load this run's current version again (the new server holds no adapter)."""
+        """Load this run's current version again, under a fresh name (its push time now): after a server restart
+        (the new server holds no adapter), or when the server no longer knows it (another run's restart of a shared
+        server, or its stale rule after a long pause of this run)."""
         if self.current is None:
             client.model = self.base_name
             return
-        self._load(client, self.current, self.directory / self.current)
-        client.model = self.current
+        step = int(self.current.rsplit(".s", 1)[1].split(".", 1)[0])
+        name = adapter_name(self.tag, step)
+        if name != self.current:
+            os.replace(self.directory / self.current, self.directory / name)
+        self._load(client, name, self.directory / name)
+        self.current = client.model = name
+
+    def is_gone(self, exc: BaseException) -> bool:
+        """The server answered that this run's current adapter does not exist (HTTP 404 naming it)."""
+        text = str(exc)
+        return self.current is not None and "HTTP 404" in text and self.current in text
 
     def send(self, client, metadata, named_params) -> int:
         raise WorkbenchError("the lora weight sync pushes the adapter only (push_adapter), not named parameters",
@@ -783,11 +808,19 @@ class SyncingVLLMClient(VLLMClient):
 
     def _recovering(self, what: str, call):
         """`call()`; when it fails because the server died or hung, let `recovery` restart the server and
-        re-push the weights, then try again (the recovery bounds the restarts and raises when it gives up)."""
+        re-push the weights, then try again (the recovery bounds the restarts and raises when it gives up). A LoRA
+        run whose adapter the server no longer knows loads it again, once per call."""
+        reloaded = False
         while True:
             try:
                 return call()
             except Exception as exc:
+                if not reloaded and isinstance(self.weight_sync, LoraSync) and self.weight_sync.is_gone(exc):
+                    logger.warning("the server no longer holds this run's adapter %s; loading it again",
+                                   self.weight_sync.current)
+                    self.weight_sync.reload_current(self)
+                    reloaded = True
+                    continue
                 if self.recovery is None:
                     raise
                 self.recovery.handle(self, what, exc)  # re-raises what is not a server fault

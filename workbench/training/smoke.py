@@ -19,7 +19,7 @@ from pathlib import Path
 
 from workbench.errors import WorkbenchError
 from workbench.records import read_jsonl
-from workbench.rundir import TrainDir, weights, write_atomic
+from workbench.rundir import TrainDir, is_adapter, trained_weights, weights, write_atomic
 from workbench.serving import scraper
 
 
@@ -35,8 +35,15 @@ class SmokeFailed(WorkbenchError):
 
 
 def _max_weight_change(base: Path, trained: Path) -> float:
+    """The largest change of any parameter; for a LoRA run's adapter, of the product B·A each adapter adds (B starts
+    at zero, so any trained adapter moved the model by its largest |B·A| entry)."""
     from safetensors.torch import load_file
 
+    if is_adapter(trained):
+        tensors = load_file(str(trained_weights(trained)))
+        pairs = [(tensors[k], tensors[k.replace("lora_A", "lora_B")]) for k in tensors
+                 if "lora_A" in k and k.replace("lora_A", "lora_B") in tensors]
+        return max(((b.float() @ a.float()).abs().max().item() for a, b in pairs), default=0.0)
     a, b = load_file(str(weights(base))), load_file(str(weights(trained)))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a if k in b)
 
@@ -153,7 +160,7 @@ def verify(train_dir: TrainDir, base_model: str | Path) -> SmokeChecks:
                          f"{pushes} pushes" if canary else
                          "no canary check recorded (monitor.canary_every is 0, or server.weight_sync is none)")))
     final = train_dir.final
-    if weights(final).exists() and weights(base_model).exists():
+    if trained_weights(final).exists() and weights(base_model).exists():
         change = _max_weight_change(Path(base_model), final)
         detail = f"largest parameter change {change:.3g}"
         if change == 0 and rows and all(r.get("frac_reward_zero_std") == 1.0 for r in rows):
@@ -162,7 +169,7 @@ def verify(train_dir: TrainDir, base_model: str | Path) -> SmokeChecks:
                        "smoke run more prompts or generations per step, or check the rewards")
         checks.append(Check("weights changed", change > 0, detail))
     else:
-        checks.append(Check("weights changed", False, f"no model.safetensors in {final} or {base_model}"))
+        checks.append(Check("weights changed", False, f"no trained weights in {final} (or none in {base_model})"))
     checks.append(Check("metrics complete", len(rows) == len({r['step'] for r in rows}) and bool(rows),
                         f"{len(rows)} step lines in metrics.jsonl"))
     return SmokeChecks(checks)

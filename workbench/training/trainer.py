@@ -96,7 +96,9 @@ class _SyncingVLLMGeneration(VLLMGeneration):
         from peft import get_peft_model_state_dict
 
         model = self.accelerator.unwrap_model(self.model)
-        tensors = get_peft_model_state_dict(model)  # the adapter only, named as peft saves it
+        # the adapter only, named as peft saves it (not the embeddings: they are not trained, and "auto" would read
+        # the base model's config again, from the Hub for a hub id, at every push)
+        tensors = get_peft_model_state_dict(model, save_embedding_layers=False)
         config = model.peft_config[model.active_adapter].to_dict()
         self.vllm_client._recovering(
             "adapter push", lambda: self.weight_sync.push_adapter(self.vllm_client, tensors, config, self.step()))
