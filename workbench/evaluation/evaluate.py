@@ -526,7 +526,6 @@ def _with_adapters(rr: Resolved, items: list[tuple[str, str]], log_dir: Path | N
     no weight-update endpoint). The base model's label is answered by the base; every other by its adapter. With
     `running` (a shared LoRA server that loads adapters at run time: the protocol's), each adapter is loaded into
     it under its label for its turn and unloaded after."""
-    ranks = [int(json.loads((Path(p) / ADAPTER_CONFIG).read_text()).get("r", 8)) for _, p in items if is_adapter(p)]
     base = str(ensure_model(rr, log=lambda *_: None)) if rr.is_tiny else rr.model_path
     for label, path in items:
         if not is_adapter(path) and Path(path).resolve() != Path(base).resolve():
@@ -536,6 +535,7 @@ def _with_adapters(rr: Resolved, items: list[tuple[str, str]], log_dir: Path | N
     if running is not None:
         yield from _loaded_adapters(rr, items, running)
         return
+    ranks = [int(json.loads((Path(p) / ADAPTER_CONFIG).read_text()).get("r", 8)) for _, p in items if is_adapter(p)]
     modules = [f"{label}={path}" for label, path in items if is_adapter(path)]
     served = load(rr.recipe, {"peft.r": max(ranks), "server.weight_sync": "lora",
                               "server.lora_slots": max(2, len(modules)),

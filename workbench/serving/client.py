@@ -64,6 +64,12 @@ def adapter_pushed_at(name: str) -> float | None:
     return float(last[1:]) if last.startswith("t") and last[1:].isdigit() else None
 
 
+def is_stale(name: str, stale_s: float, now: float) -> bool:
+    """A workbench adapter not re-pushed for `stale_s` (its run is gone): the one rule for freeing a slot."""
+    pushed = adapter_pushed_at(name)
+    return pushed is not None and now - pushed >= stale_s
+
+
 def lora_server(url: str, headers: dict, rank: int, timeout: float = 30.0) -> dict | None:
     """What a server says of its LoRA settings (`/server_info?config_format=json`, a development endpoint):
     {'max_lora_rank', 'slots'}; an error line when it serves no LoRA, loads none at run time, or takes a lower rank;
@@ -106,8 +112,7 @@ def check_lora_room(rr: Resolved, need: int = 2, own: str | None = None) -> None
     slots = (told or {}).get("slots") or s.lora_slots
     now = time.time()
     held = [m["id"] for m in served_models(rr) if m.get("parent")]
-    live = [n for n in held if n != own and not (
-        (pushed := adapter_pushed_at(n)) is not None and now - pushed >= s.lora_stale_s)]
+    live = [n for n in held if n != own and not is_stale(n, s.lora_stale_s, now)]
     if len(live) + need > slots:
         raise WorkbenchError(
             f"the server at {rr.server_url} holds {len(live)} adapter(s) of other runs "

@@ -41,7 +41,7 @@ from trl.generation.vllm_client import VLLMClient
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
 from workbench.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from workbench.serving.client import LORA_PREFIX, adapter_pushed_at, lora_server
+from workbench.serving.client import LORA_PREFIX, adapter_pushed_at, is_stale, lora_server
 from workbench.serving.launch import is_loopback
 
 logger = logging.getLogger("workbench.serving.sync")
@@ -348,13 +348,12 @@ class LoraSync(ReloadSync):
         now = time.time()
         held = self.adapters(client)
         for name in held:
-            pushed = adapter_pushed_at(name)
-            if name == self.current or pushed is None or now - pushed < self.stale_s:
+            if name == self.current or not is_stale(name, self.stale_s, now):
                 continue
             if self._unload(client, name):
                 self.unloaded.append(name)
                 logger.warning("unloaded the adapter %s: not re-pushed for %.0f s (server.lora_stale_s=%.0f), its "
-                               "run is gone", name, now - pushed, self.stale_s)
+                               "run is gone", name, now - adapter_pushed_at(name), self.stale_s)
         others = [n for n in self.adapters(client) if n != self.current]
         self._note_others(others)
         if len(others) + (1 if self.current and holding else 0) + need > self.slots:
