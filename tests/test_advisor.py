@@ -120,6 +120,50 @@ def test_groups_without_signal():
     assert rules_fired(metrics=rows) == {"no_signal"}
 
 
+def test_groups_without_signal_are_counted_by_the_workbench_not_trls_float32_check(tmp_path):
+    """Groups whose completions all scored 0.2 (format only) or 1.2 (right and formatted): TRL's own computation
+    (its nanstd on the float32 weighted sum, then isclose to 0 at 1e-8) calls neither flat, so its
+    frac_reward_zero_std logs 0 while no group carries a gradient. The workbench's count (signal/zero_spread)
+    sees both, and the advisor, the dashboard's summary and the figure read it."""
+    import numpy as np
+    import torch
+    from trl.trainer.utils import nanstd
+
+    from workbench.observe import views
+    from workbench.training.groups import group_signal
+
+    weights = [1.0, 0.2, 0.1]  # correctness, format, short: the demo's weights
+    rewards = np.zeros((16, 3), dtype=np.float32)
+    rewards[:, 1] = 1.0        # every completion well formatted: 0.2
+    rewards[8:, 0] = 1.0       # the second prompt's completions all right: 1.2
+    totals = (torch.tensor(rewards) * torch.tensor(weights)).nansum(dim=1)
+    std = nanstd(totals.view(-1, 8), dim=1)
+    assert not torch.isclose(std, torch.zeros_like(std)).any()  # TRL's check: "spread" in both groups
+    signal = group_signal(rewards, weights, 8)
+    assert signal == {"signal/zero_spread": 1.0, "signal/zero_spread_top": 0.5}
+    rewards[3, 0] = 1.0        # one right answer in the first group: that group has signal
+    assert group_signal(rewards, weights, 8)["signal/zero_spread"] == 0.5
+    assert group_signal(rewards, weights, 8, "normalize_then_sum")["signal/zero_spread"] == 0.5
+
+    rows = healthy_metrics()
+    for r in rows[20:]:        # what such a run logs: TRL's count at 0, the workbench's at 0.9
+        r["frac_reward_zero_std"], r["signal/zero_spread"], r["signal/zero_spread_top"] = 0.0, 0.9, 0.2
+    for r in rows[:20]:
+        r["signal/zero_spread"] = 0.1
+    assert rules_fired(metrics=rows) == {"no_signal"}
+    finding = next(f for f in advisor.advise(metrics=rows, devices=busy_devices(), rollout=full_rollout(),
+                                             recipe=RECIPE))
+    assert "90%" in finding.evidence and "signal/zero_spread" in finding.evidence
+    assert "80% of them are all below the batch's best reward" in finding.suggestion
+    from workbench.rundir import TrainDir
+
+    train = TrainDir(tmp_path / "train").make()
+    for r in rows:
+        append_jsonl(train.metrics, r)
+    summary = dict(views.summary_rows(rundata.load(train)))
+    assert summary["groups with no signal (first → last fifth)"] == "0.1 → 0.9"
+
+
 def test_reward_collapse_and_flat_reward():
     rows = healthy_metrics()
     for i, r in enumerate(rows):

@@ -39,7 +39,8 @@ def test_rewards_and_advantages_match_trls_logged_metrics(grouped_run):
         for name in ("correctness", "format", "short"):
             assert rows[f"reward/{name}"].mean() == pytest.approx(logged[f"rewards/{name}/mean"], abs=1e-6)
         assert rows["reward"].mean() == pytest.approx(logged["reward"], abs=1e-6)  # weights 1.0, 0.2, 0.1
-        assert groups.summary(rows)["zero_spread"].mean() == pytest.approx(logged["frac_reward_zero_std"])
+        # the workbench's own count over every group of the step (all recorded here) agrees with the record's
+        assert groups.summary(rows)["zero_spread"].mean() == pytest.approx(logged["signal/zero_spread"])
         for _, group in rows.groupby("group"):
             # TRL's group advantage: reward minus the group mean (over the group's std): sums to 0, same order
             assert group["advantage"].sum() == pytest.approx(0.0, abs=1e-4)

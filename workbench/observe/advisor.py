@@ -14,6 +14,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from workbench.training.groups import ZERO_SPREAD_TOP, zero_spread_key
+
 IDLE_SERVER_UTIL_PCT = 35.0      # server devices busier than this are not "idle"
 GENERATION_BOUND_SHARE = 0.40    # generation this share of the step: the trainer waits for rollouts
 LOW_CONCURRENCY_FRACTION = 0.5   # requests in flight below this share of a generation batch
@@ -185,7 +187,8 @@ def kl_spikes(records) -> Finding | None:
 
 
 def no_signal(records) -> Finding | None:
-    zero = _series(records.metrics, "frac_reward_zero_std")
+    key = zero_spread_key(records.metrics)
+    zero = _series(records.metrics, key)
     if len(zero) < 3:
         return None
     _, last = _thirds(zero)
@@ -193,13 +196,21 @@ def no_signal(records) -> Finding | None:
     if share < ZERO_STD_FRACTION:
         return None
     gens = _trainer(records).get("num_generations")
+    top = _series(records.metrics[-len(last):], ZERO_SPREAD_TOP)
+    if not top:
+        which = "if the rewards are all high, use harder prompts; if all low, easier ones or a shaped reward"
+    elif statistics.fmean(top) >= 0.5:
+        which = (f"{statistics.fmean(top):.0%} of them are all at the batch's best reward (solved): use harder "
+                 "prompts (or drop solved ones)")
+    else:
+        which = (f"{1 - statistics.fmean(top):.0%} of them are all below the batch's best reward (failed alike): "
+                 "use easier prompts or a shaped reward")
     return Finding(
         "no_signal", "warning", "Most groups carry no learning signal",
         f"in the last third of the run {share:.0%} of prompt groups gave every completion the same reward "
-        "(frac_reward_zero_std): GRPO's advantage is zero for them",
+        f"({key}): GRPO's advantage is zero for them",
         "raise trainer.num_generations" + (f" (now {gens})" if gens else "") + " or trainer.temperature for more "
-        "varied completions; if the rewards are all high, use harder prompts; if all low, easier ones or a shaped "
-        "reward")
+        f"varied completions; {which}")
 
 
 def reward_unstable(records) -> Finding | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from workbench.plots import plt
+from workbench.training.groups import zero_spread_key
 
 # the phases that add up to a step: the trainer's wait for rollouts (all of the generation when synchronous, the
 # part the step did not cover when async; runs from before the split logged only time/generation)
@@ -105,7 +106,7 @@ def training_figure(data, title: str | None = None):
     x, y = _xy(metrics, "reward_std")
     if x:
         ax[4].plot(x, y, label="reward std")
-        ax[4].plot(*_xy(metrics, "frac_reward_zero_std"), label="groups with no signal")
+        ax[4].plot(*_xy(metrics, zero_spread_key(metrics)), label="groups with no signal")
         ax[4].legend(fontsize=8)
         ax[4].set_title("learning signal")
     else:

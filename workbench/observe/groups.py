@@ -19,8 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from workbench.rundir import TrainDir
-
-SPREAD_EPS = 1e-9
+from workbench.training.groups import spread_tolerance
 
 
 def files(train: TrainDir) -> list[Path]:
@@ -53,7 +52,9 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
                       abs_advantage=("advantage", lambda a: float(a.abs().mean())))
     for column in reward_columns(df):
         out[f"{column}_mean"] = grouped[column].mean()
-    out["zero_spread"] = (out["reward_max"] - out["reward_min"]).fillna(0.0) <= SPREAD_EPS
+    # the trainer's rule (training/groups.group_signal): equal within a tolerance relative to the rewards' scale
+    tol = spread_tolerance(float(df["reward"].abs().max())) if df["reward"].notna().any() else 0.0
+    out["zero_spread"] = (out["reward_max"] - out["reward_min"]).fillna(0.0) <= tol
     return out.reset_index()
 
 

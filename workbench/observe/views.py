@@ -11,6 +11,7 @@ import html
 
 from workbench.observe import advisor, figures
 from workbench.observe.rundata import RunData
+from workbench.training.groups import zero_spread_key
 
 
 def fmt_seconds(seconds: float | None) -> str:
@@ -37,8 +38,8 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
             return sum(values) / len(values) if values else None
 
         for key, label in (("reward", "reward"), ("kl", "KL"), ("entropy", "entropy"),
-                           ("completions/mean_length", "completion length"), ("frac_reward_zero_std",
-                                                                             "groups with no signal")):
+                           ("completions/mean_length", "completion length"),
+                           (zero_spread_key(rows), "groups with no signal")):
             a, b = avg(first, key), avg(last, key)
             if a is not None:
                 out.append((f"{label} (first → last fifth)", f"{a:.3g} → {b:.3g}"))

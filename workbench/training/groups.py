@@ -9,15 +9,77 @@ drawn at random with a seed fixed by the run's data seed and the step, so the re
 would always keep the same dataset order's groups) and reproducible. The trainer (workbench/training/trainer.py)
 calls `record` after TRL scored a generation batch, on every rank (lengths are gathered); the main rank writes.
 Readers, the inspector widget and the report's examples are in workbench/observe/groups.py.
+
+`group_signal` measures, from every group of every step (not the recorded sample), the share of groups whose
+completions all scored the same: GRPO's advantage is zero for them, their generation taught nothing. The trainer logs
+it as `signal/zero_spread`; the dashboard, report, advisor and smoke checks read it instead of TRL's
+`frac_reward_zero_std`, which compares the group's float32 std with 0 at an absolute 1e-8 and so misses equal rewards
+that are not powers of two (eight rewards of 0.2 average to 0.2000000149 in float32: std 1.6e-8, "not zero").
 """
 from __future__ import annotations
 
 import io
 import math
 import random
+import warnings
 
 from workbench.rundir import TrainDir, write_atomic
 from workbench.tasks.rewards import completion_text  # also a chat prompt's last message
+
+
+# rewards closer than this fraction of the batch's reward scale are equal: float32 sums and means leave residues of
+# about 1e-7 of the value, and a reward function's own arithmetic (0.1 + 0.2) about 1e-16
+SPREAD_RTOL = 1e-5
+
+
+ZERO_SPREAD, ZERO_SPREAD_TOP = "signal/zero_spread", "signal/zero_spread_top"
+TRL_ZERO_STD = "frac_reward_zero_std"  # TRL's own count: runs from before the workbench logged ZERO_SPREAD
+
+
+def zero_spread_key(rows: list[dict]) -> str:
+    """The metric to read for the share of groups without signal: the workbench's own where the run logged it."""
+    return ZERO_SPREAD if any(ZERO_SPREAD in r for r in rows) else TRL_ZERO_STD
+
+
+def spread_tolerance(scale: float) -> float:
+    """The largest max-min difference of a group's rewards that still counts as no spread, for rewards of this size."""
+    return SPREAD_RTOL * abs(scale)
+
+
+def group_signal(rewards_per_func, weights, size: int, aggregation: str = "sum_then_normalize") -> dict[str, float]:
+    """The learning signal of one generation batch, from TRL's gathered rewards (completions x functions, NaN where
+    a function did not score; consecutive `size` rows are one prompt's group). With TRL's default aggregation
+    (`sum_then_normalize`) a group has no signal when its weighted totals are equal; with `normalize_then_sum` each
+    weighted function is normalised within the group, so it has none only when every such function is flat.
+    Returns `signal/zero_spread` (share of groups without spread) and, of those, `signal/zero_spread_top` (the
+    share at the batch's highest reward: all solved) — the rest sit lower (typically all failed)."""
+    import numpy as np
+
+    r = np.asarray(rewards_per_func, dtype=np.float64).reshape(-1, len(weights))
+    w = np.asarray(weights, dtype=np.float64)
+    groups = r.shape[0] // size
+    if groups == 0:
+        return {}
+    unscored = np.isnan(r).all(axis=1)
+    total = np.where(unscored, np.nan, np.nansum(r * w, axis=1))
+    if aggregation == "normalize_then_sum":
+        columns = [r[:, i] for i in range(r.shape[1]) if w[i] != 0]
+    else:
+        columns = [total]
+    flat = np.ones(groups, dtype=bool)
+    with warnings.catch_warnings():  # a group nobody scored: all-NaN slices, no spread and no signal
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for values in columns:
+            scored = values[~np.isnan(values)]
+            tol = spread_tolerance(np.abs(scored).max()) if scored.size else 0.0
+            grouped = values[: groups * size].reshape(groups, size)
+            flat &= ~(np.nanmax(grouped, axis=1) - np.nanmin(grouped, axis=1) > tol)
+        means = np.nanmean(total[: groups * size].reshape(groups, size), axis=1)
+    out = {ZERO_SPREAD: float(flat.mean())}
+    if flat.any() and np.isfinite(total).any():
+        top = np.nanmax(total)
+        out[ZERO_SPREAD_TOP] = float((flat & (np.abs(means - top) <= spread_tolerance(top))).sum() / flat.sum())
+    return out
 
 
 def total_reward(scores: dict[str, float], weights: dict[str, float]) -> float:

@@ -21,6 +21,7 @@ from workbench.errors import WorkbenchError
 from workbench.records import read_jsonl
 from workbench.rundir import TrainDir, is_adapter, trained_weights, weights, write_atomic
 from workbench.serving import scraper
+from workbench.training.groups import zero_spread_key
 
 
 @dataclass
@@ -163,7 +164,7 @@ def verify(train_dir: TrainDir, base_model: str | Path) -> SmokeChecks:
     if trained_weights(final).exists() and weights(base_model).exists():
         change = _max_weight_change(Path(base_model), final)
         detail = f"largest parameter change {change:.3g}"
-        if change == 0 and rows and all(r.get("frac_reward_zero_std") == 1.0 for r in rows):
+        if change == 0 and rows and all(r.get(zero_spread_key(rows)) == 1.0 for r in rows):
             # not a sync or optimizer fault: every group scored all its completions alike, so every advantage was 0
             detail += ("; every group of every step had zero reward spread (no learning signal: loss 0) — give the "
                        "smoke run more prompts or generations per step, or check the rewards")

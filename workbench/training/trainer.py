@@ -31,7 +31,7 @@ from workbench.serving import client, sync
 from workbench.tasks import dataset, rewards, rewardspec
 from workbench.training.canary import Canary
 from workbench.training.config import grpo_config
-from workbench.training.groups import GroupRecorder
+from workbench.training.groups import GroupRecorder, group_signal
 from workbench.training.overlap import Ahead
 from workbench.training.recovery import Recovery
 
@@ -265,9 +265,15 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, *args, **kwargs):
         started = time.perf_counter()
         try:
-            return super()._calculate_rewards(*args, **kwargs)
+            rewards = super()._calculate_rewards(*args, **kwargs)  # every rank's, gathered
         finally:
             self._timed("reward", started)
+        if self.model.training:  # the workbench's own count of groups without signal (groups.group_signal)
+            signal = group_signal(rewards.float().cpu().numpy(), self.reward_weights.tolist(), self.num_generations,
+                                  self.multi_objective_aggregation)
+            for key, value in signal.items():
+                self._metrics["train"][key].append(value)
+        return rewards
 
     def _step_breakdown(self, pushes: list[tuple[float, int]]) -> dict[str, float]:
         now, steps = time.perf_counter(), self.state.global_step - self._steps_at_last_log
