@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, exit_on_sigterm
 from workbench.experiments import protocol
 from workbench.rundir import RunDir
 
@@ -379,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("tiny-model", "build (or reuse) the tiny arithmetic model and print its accuracy",
             "workbench.tinymodel", cmd_tiny_model)
-    p.add_argument("--force", action="store_true", help="rebuild even when a cached model matches")
+    p.add_argument("--force", action="store_true",
+                   help="build on this machine even when a cached or shipped model matches (a shipped one is "
+                        "rebuilt into <key>-rebuilt/ and compared; the recipe keeps the shipped one)")
     p = add("run", "run the staged notebooks with papermill: env, offline, serving, smoke, train, eval",
             "workbench.pipeline", cmd_run, recipe=None)  # None: --resume must see whether one was given
     p.add_argument("--stages", help="comma-separated subset of env,offline,serving,smoke,train,eval (default: all)")
@@ -458,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # `kill`, a scheduler's stop: the command's cleanup runs (its server, trainings, RAM disk)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

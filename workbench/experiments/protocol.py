@@ -32,14 +32,17 @@ recorded or finished is done again), and protocol.md (the tables), printed at th
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from workbench.errors import WorkbenchError
 from workbench.rundir import RunDir, set_aside, trained_weights, write_atomic
@@ -268,13 +271,77 @@ def check(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds
                 dataset.eval_rows(r)
 
 
+T = TypeVar("T")
+_RUNNING: set[subprocess.Popen] = set()  # the protocol's workbench commands now running (one per worker thread)
+_RUNNING_LOCK = threading.Lock()
+
+
+def _call(cmd: list[str], out) -> int:
+    """Runs one command to its end. When this process is interrupted (Ctrl-C, SIGTERM: `terminate_running`),
+    the command gets SIGTERM and time to clean up (a training stops its trainer and removes its RAM-disk files),
+    then SIGKILL: the protocol's commands never outlive it."""
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    with _RUNNING_LOCK:
+        _RUNNING.add(proc)
+    try:
+        return proc.wait()
+    except BaseException:
+        _end(proc)
+        raise
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.discard(proc)
+
+
+def _end(proc: subprocess.Popen, grace: float = 60.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def terminate_running() -> None:
+    """End every command the worker threads are running (they wait in `_call`, which the main thread's
+    interruption does not reach), in parallel."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    enders = [threading.Thread(target=_end, args=(p,)) for p in running]
+    for t in enders:
+        t.start()
+    for t in enders:
+        t.join()
+
+
+def concurrently(calls: list[Callable[[], T]], workers: int, done: Callable[[T], None]) -> None:
+    """The calls, `workers` at a time; `done` gets each result in the calls' order, whichever finished first, and
+    the first failure is raised: the queued calls do not start, the running ones finish. Interrupted (Ctrl-C,
+    SIGTERM), the running workbench commands are ended too (`terminate_running`), not waited for."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(call) for call in calls]
+        try:
+            for future in futures:
+                done(future.result())
+        except BaseException as exc:
+            for future in futures:
+                future.cancel()
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                terminate_running()
+            pool.shutdown(wait=True)
+            raise
+
+
 def _workbench(args: list[str], log: Path) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "workbench", *args]
     with log.open("w") as out:  # a file, not a pipe: an unread pipe would block the training
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        code = _call(cmd, out)
     if code != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-8:])
         raise WorkbenchError(f"`workbench {args[0]}` exited with status {code}; last lines of {log}:\n{tail}\n",
@@ -419,8 +486,6 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
             for job in jobs:
                 train(*job)
             return
-        from concurrent.futures import ThreadPoolExecutor
-
         c, _, seed, split = jobs[0]
         share(resolved([*c.overrides, f"trainer.seed={seed}", f"eval.split={split}"]))
         if shared.server is None:
@@ -428,15 +493,13 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
                                  "read the shared server's log under RUN/protocol/server, or drop --concurrent")
         log(f"[{time.time() - started:5.0f}s] {len(jobs)} trainings, {result.concurrent} at a time on "
             f"{shared.server.url}")
-        with shared.answering(), ThreadPoolExecutor(max_workers=result.concurrent) as pool:
-            futures = [pool.submit(train, *job, answer=False, record=False) for job in jobs]
-            try:
-                for future in futures:  # recorded in the jobs' order, whichever finished first; the first failure
-                    result.trainings.append(future.result())  # is raised (a finished training is kept for --resume)
-                    save()
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)  # the queued ones do not start; the running ones end
-                raise
+        def record(training: Training) -> None:  # a finished training is kept for --resume
+            result.trainings.append(training)
+            save()
+
+        with shared.answering():
+            concurrently([functools.partial(train, *job, answer=False, record=False) for job in jobs],
+                         result.concurrent, record)
 
     def evaluate_split(split: str, pending: list[tuple[Training, RunDir]]) -> dict[str, Outcome]:
         """One evaluation of the split: the base (unless scored already) and every pending model, each once; each

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, exit_on_sigterm
 from workbench.rundir import TrainDir, write_atomic
 
 
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-dir", required=True)
     parser.add_argument("--resume-from", help="a checkpoint directory to continue from (workbench train --resume)")
     args = parser.parse_args(argv)
+    exit_on_sigterm()  # the parent's end (PR_SET_PDEATHSIG) or a kill: the sync's RAM-disk files are removed
     try:
         train_dir = TrainDir(args.train_dir)
         rr = recipe.resolve(recipe.load(str(train_dir.recipe)))
