@@ -226,6 +226,28 @@ def test_weight_drift_alarms_and_rising_gap():
     assert rising.severity == "info" and "rising" in rising.title
 
 
+def test_a_sampler_that_drifts_without_the_canary():
+    """TRL's own sampler-trainer gap rising through a run, or pushes that moved no bytes, are findings even with
+    no canary record (canary off, or a run from before it); a steady gap at the exact-sync level is not."""
+    rows = healthy_metrics()
+    for i, r in enumerate(rows):
+        r["sampling/sampling_logp_difference/mean"] = 2e-4
+        r["sync/count"], r["sync/megabytes"] = 5.0, 0.52
+    assert advisor.sampler_drift(advisor.RunRecords(rows, [], [], RECIPE)) is None
+    for i, r in enumerate(rows):
+        r["sampling/sampling_logp_difference/mean"] = 2e-4 if i < 10 else 2e-4 * 2 ** (i - 9)
+    rising = advisor.sampler_drift(advisor.RunRecords(rows, [], [], RECIPE))
+    assert rising.severity == "warning" and "sampler − trainer gap 0.0002 →" in rising.evidence
+    assert rules_fired(metrics=rows) == {"sampler_drift"}
+    for r in rows:
+        r["sampling/sampling_logp_difference/mean"] = 2e-4
+    rows[12]["sync/megabytes"] = 0.0
+    empty = advisor.sampler_drift(advisor.RunRecords(rows, [], [], RECIPE))
+    assert "moved no bytes" in empty.title and f"steps [{rows[12]['step']}]" in empty.evidence
+    unsynced = {**RECIPE, "server": {"weight_sync": "none"}}
+    assert advisor.sampler_drift(advisor.RunRecords(rows, [], [], unsynced)) is None
+
+
 def test_server_faults_are_a_finding():
     events = [{"kind": "server_fault", "message": "generation failed at step 3: ConnectionError"},
               {"kind": "server_restart", "message": "server restarted"}]

@@ -28,6 +28,7 @@ ZERO_STD_FRACTION = 0.5          # groups in which every completion got the same
 REWARD_DROP = 0.7                # the last third's reward below this share of the best window
 SYNC_SHARE = 0.15                # weight sync this share of the step
 DRIFT_RISE = 10.0                # the canary's gap, last third vs first third
+SAMPLER_GAP_MIN = 1e-3           # nats/token: TRL's sampler-trainer gap worth a finding when it rises DRIFT_RISE-fold
 RSS_GROWTH = 0.10                # a role's resident memory, end vs start of the run
 RSS_GROWTH_MIN_MB = 200.0
 
@@ -281,6 +282,36 @@ def weight_drift(records) -> Finding | None:
     return None
 
 
+def sampler_drift(records) -> Finding | None:
+    """Signs of a sampler that left the trainer, without the canary (off, or a run from before it): TRL's own
+    per-token log-prob gap between the sampler and the trainer (logged with vllm_importance_sampling_correction)
+    rising through the run, and pushes that moved no bytes while the recipe syncs weights."""
+    server = (records.recipe or {}).get("server", {})
+    syncs = server.get("weight_sync", "auto") != "none" and (records.recipe or {}).get("rollout", {}).get(
+        "mode") != "colocate"
+    empty = [int(r["step"]) for r in records.metrics
+             if r.get("sync/count", 0) > 0 and r.get("sync/megabytes", 1) == 0 and "step" in r]
+    if syncs and empty:
+        return Finding(
+            "sampler_drift", "warning", "Weight pushes moved no bytes",
+            f"{len(empty)} log point(s) whose pushes carried 0 MB (steps {empty[:5]}"
+            f"{'...' if len(empty) > 5 else ''}) while server.weight_sync is {server.get('weight_sync', 'auto')}",
+            "the server samples from weights the trainer no longer has: check which parameters the sync sends "
+            "(a LoRA adapter with no target modules, a ZeRO-3 shard that was not gathered) and the server log")
+    gap = _series(records.metrics, "sampling/sampling_logp_difference/mean")
+    if len(gap) >= 6:
+        first, last = _thirds(gap)
+        before, after = statistics.fmean(first), statistics.fmean(last)
+        if after >= SAMPLER_GAP_MIN and after > DRIFT_RISE * max(before, 1e-12):
+            return Finding(
+                "sampler_drift", "warning", "The sampler's log-probs drift away from the trainer's",
+                f"TRL's sampler − trainer gap {before:.2g} → {after:.2g} nats/token (first → last third of the run)",
+                "the server is sampling from other weights than the trainer's (a sync that fails quietly, an "
+                "adapter not applied) or the rollouts are ever staler: run with monitor.canary_every > 0 to tell "
+                "which, check server.weight_sync and rollout.mode")
+    return None
+
+
 def server_faults(records) -> Finding | None:
     faults = [e for e in records.events if e.get("kind") == "server_fault"]
     if not faults:
@@ -330,7 +361,7 @@ def memory_growth(records) -> Finding | None:
 
 RULES: dict[str, Callable] = {fn.__name__: fn for fn in
                               (idle_server, low_concurrency, long_tail, kl_spikes, no_signal, reward_unstable,
-                               sync_share, weight_drift, server_faults, memory_growth)}
+                               sync_share, weight_drift, sampler_drift, server_faults, memory_growth)}
 
 
 def advise(records=None, *, metrics=None, devices=None, rollout=None, recipe=None) -> list[Finding]:
