@@ -354,8 +354,11 @@ def two_model_eval(server_recipe, tiny_model_dir, weaker_model_dir, tmp_path_fac
 
 GROUP_SIZE = 4
 # what the session's smoke run sets beyond the smoke recipe (the compare tests read these as the keys it changed)
+CURVE_SAMPLES = 24
 SMOKE_RUN = ["trainer.report_to=tensorboard", "trainer.per_device_train_batch_size=8",
              f"trainer.num_generations={GROUP_SIZE}", "trainer.max_steps=3",
+             # the learning curve at every push, the best step kept (tests/test_evalcurve.py)
+             "eval.every_steps=1", f"eval.during_samples={CURVE_SAMPLES}", "eval.keep_best=true",
              "rewards.short={function: lab_rewards:brevity, weight: 0.1, args: {limit: 60}}", "monitor.groups_per_step=8",
              # a variable for the trainer role: `workbench train` starts the trainer as a child process that has it
              "devices.env.WORKBENCH_TEST_ROLE=trainer"]

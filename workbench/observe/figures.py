@@ -77,6 +77,16 @@ def training_figure(data, title: str | None = None):
             ax[0].plot(*_xy(metrics, key), label=key.split("/")[1], lw=1.2)
         ax[0].legend(fontsize=8)
         ax[0].set_title("reward (mean per completion)")
+        points = getattr(data, "eval_curve", [])
+        if points:  # the learning curve on a second axis: the held-out score of the served weights at each step
+            twin = ax[0].twinx()
+            twin.plot([p["step"] for p in points], [p["accuracy"] for p in points], "o-", color="tab:green", lw=1.5,
+                      label=f"{points[0].get('split', 'validation')} accuracy")
+            best = max(points, key=lambda p: (p["accuracy"], -p["step"]))
+            twin.plot([best["step"]], [best["accuracy"]], "*", color="tab:green", ms=12)
+            twin.set_ylim(0, 1)
+            twin.set_ylabel("accuracy (learning curve)", fontsize=8)
+            twin.legend(fontsize=8, loc="lower right")
     else:
         _empty(ax[0], "no reward logged yet")
 

@@ -158,6 +158,7 @@ def _training(train_dir: TrainDir) -> str:
     title = f"GRPO · {train_dir.path.parent.name}/{train_dir.path.name}"
     out += _img(plots.png_bytes(figures.training_figure(data, title=title)), "training curves")
     out += _table(["", "value"], [list(r) for r in views.summary_rows(data)], left=1)
+    out += _curve(data)
     if data.events:  # interruptions, restarts, alarms: what happened to the run, in order
         out += "<h3>Events</h3>" + views.events_html(data.events)
     steps = [r for r in data.train_metrics if "time/step" in r]
@@ -186,6 +187,25 @@ def _training(train_dir: TrainDir) -> str:
         out += ("<p class='bad'>No train.json: the training did not finish (crashed or killed). The curves show every "
                 "step it logged.</p>")
     return out
+
+
+def _curve(data: RunData) -> str:
+    """The learning curve's points: the served weights of each step scored during training (eval.every_steps)."""
+    points = data.eval_curve
+    if not points:
+        return ""
+    best = max(points, key=lambda p: (p["accuracy"], -p["step"]))
+    kept = [p for p in points if p.get("best")]  # eval.keep_best: each new best replaced train/best
+
+    def note(p: dict) -> str:
+        return ("best" if p is best else "") + (" · kept in train/best" if kept and p is kept[-1] else "")
+
+    rows = [[p["step"], f"{p['accuracy']:.1%}", f"{p.get('format_rate', float('nan')):.0%}",
+             f"{p.get('generated_tokens', 0):,}", f"{p['seconds']:.1f}", note(p)] for p in points]
+    return (f"<h3>Learning curve ({_e(points[0].get('split', 'validation'))}, {points[0]['n']} problems, during "
+            f"training)</h3><p>Best at step {best['step']}: {best['accuracy']:.1%}; last (step {points[-1]['step']}): "
+            f"{points[-1]['accuracy']:.1%}.</p>"
+            + _table(["step", "accuracy", "format", "tokens generated so far", "seconds", ""], rows, left=0))
 
 
 def _groups(train_dir: TrainDir) -> str:

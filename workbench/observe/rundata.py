@@ -24,7 +24,8 @@ class RunData:
         self.run_dir = self.dir.path
         self._tails = {"metrics": Tail(self.dir.metrics), "devices": Tail(self.dir.devices),
                        "rollout": Tail(self.dir.rollout), "events": Tail(self.dir.events, normalised=False),
-                       "canary": Tail(self.dir.canary, normalised=False)}
+                       "canary": Tail(self.dir.canary, normalised=False),
+                       "eval_curve": Tail(self.dir.eval_curve, normalised=False)}
         self.recipe: dict | None = None
 
     @property
@@ -53,6 +54,11 @@ class RunData:
     def canary(self) -> list[dict]:
         """The weight-parity checks (canary.jsonl): step, gap_mean, gap_max, level, reason."""
         return self._tails["canary"].rows
+
+    @property
+    def eval_curve(self) -> list[dict]:
+        """The learning curve (eval_curve.jsonl): step, split, n, accuracy, seconds, generated_tokens, best."""
+        return self._tails["eval_curve"].rows
 
     def refresh(self) -> int:
         """Read what was appended; returns the number of new records."""

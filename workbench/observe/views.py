@@ -23,6 +23,25 @@ def fmt_seconds(seconds: float | None) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+def curve_rows(points: list[dict], metrics: list[dict]) -> list[tuple[str, str]]:
+    """The learning curve in two rows: start → best (its step) → last, and what scoring it cost the training."""
+    if not points:
+        return []
+    best = max(points, key=lambda p: (p["accuracy"], -p["step"]))  # the earliest of equal scores
+    split = points[0].get("split", "validation")
+    out = [(f"{split} accuracy during training (start → best → last)",
+            f"{points[0]['accuracy']:.1%} (step {points[0]['step']}) → {best['accuracy']:.1%} (step {best['step']}) "
+            f"→ {points[-1]['accuracy']:.1%} (step {points[-1]['step']}), {len(points)} points of {points[0]['n']}")]
+    per_step = [r["time/eval_curve"] for r in metrics if isinstance(r.get("time/eval_curve"), (int, float))]
+    step = [r["time/step"] for r in metrics if isinstance(r.get("time/step"), (int, float))]
+    seconds = sum(p.get("seconds", 0.0) for p in points)
+    cost = f"{seconds:.1f}s in all"
+    if per_step and step and sum(step):
+        cost += f", {sum(per_step) / sum(step):.1%} of the step time"
+    out.append(("learning curve's cost", cost))
+    return out
+
+
 def summary_rows(data: RunData) -> list[tuple[str, str]]:
     """The headline numbers of a run, as (name, value) rows."""
     rows = data.train_metrics
@@ -49,6 +68,7 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
             value = avg(rows, key)
             if value is not None:
                 out.append((label, f"{value:.3g}"))
+    out += curve_rows(data.eval_curve, rows)
     summary = data.train_summary or {}
     monitor = summary.get("monitor") or {}
     if monitor.get("wall_seconds"):

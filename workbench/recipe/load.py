@@ -313,6 +313,9 @@ def _ranges(recipe: Recipe) -> list[WorkbenchError]:
         _at_least("eval.max_tokens", e.max_tokens, 1, "set eval.max_tokens to 1 or more (the answer's token budget)"),
         _at_least("eval.retries", e.retries, 0),
         _at_least("eval.temperature", e.temperature, 0),
+        _at_least("eval.every_steps", e.every_steps, 0, "set eval.every_steps to N optimizer steps, or 0 for no curve"),
+        _at_least("eval.during_samples", e.during_samples, 1,
+                  "set eval.during_samples to the problems scored at each point of the curve"),
         _at_least("monitor.sample_interval_s", m.sample_interval_s, 0, strict=True),
         _at_least("monitor.completions_shown", m.completions_shown, 0),
         _at_least("monitor.canary_every", m.canary_every, 0, "set monitor.canary_every to N steps, or 0 to turn it off"),
@@ -505,6 +508,41 @@ def _data(recipe: Recipe) -> list[WorkbenchError]:
         elif recipe.eval.split == "validation" and d.validation_size == 0:
             out.append(WorkbenchError("eval.split is validation but data.validation_size is 0",
                                       "set data.validation_size to the problems to keep for choosing settings"))
+    out += _during(recipe)
+    return out
+
+
+def _during(recipe: Recipe) -> list[WorkbenchError]:
+    """The learning curve (eval.every_steps) scores the server's weights on a split that is not trained on; keeping
+    the best step is choosing a model, which the test split must not do."""
+    e, d, out = recipe.eval, recipe.data, []
+    if e.every_steps <= 0:
+        if e.keep_best:
+            out.append(WorkbenchError("eval.keep_best is on but eval.every_steps is 0: no step is scored",
+                                      "set eval.every_steps to N, or drop eval.keep_best"))
+        return out
+    if e.during_split == d.split:
+        out.append(WorkbenchError(f"eval.during_split is {e.during_split!r}, the split GRPO trains on",
+                                  "score the curve on validation (data.validation_size problems kept out of training)"))
+    elif d.name == "arithmetic" and e.during_split not in ("validation", "heldout"):
+        out.append(WorkbenchError(f"eval.during_split is {e.during_split!r}, not an arithmetic evaluation split",
+                                  "use validation"))
+    elif e.during_split == "validation" and d.name in DATASETS and d.validation_size == 0:
+        out.append(WorkbenchError("eval.during_split is validation but data.validation_size is 0",
+                                  "set data.validation_size to the problems to keep for choosing settings"))
+    if e.keep_best and e.during_split == e.split:
+        out.append(WorkbenchError(f"eval.keep_best chooses the step by its score on {e.during_split!r}, the split "
+                                  f"the run is reported on (eval.split): the report would be the chosen model's "
+                                  "best luck", "set eval.during_split=validation and eval.split=heldout"))
+    dist = recipe.distributed
+    if e.keep_best and (dist.strategy == "fsdp" or (dist.strategy == "deepspeed" and dist.zero_stage == 3)):
+        out.append(WorkbenchError(f"eval.keep_best with distributed.strategy={dist.strategy}"
+                                  f"{' zero_stage=3' if dist.strategy == 'deepspeed' else ''}: the main rank saves the "
+                                  "best step alone and would hold a shard", "use ddp or deepspeed zero_stage 1 or 2, "
+                                  "or drop eval.keep_best (checkpoints keep every trainer.save_steps)"))
+    if recipe.server.colocated or recipe.server.mode == "off":
+        out.append(WorkbenchError(f"eval.every_steps with server.mode={recipe.server.mode}: the curve scores a "
+                                  "server's weights", "use server.mode managed or attach, or set eval.every_steps=0"))
     return out
 
 

@@ -210,6 +210,13 @@ class EvalConfig:
     # dataset fields the base-vs-trained analysis breaks its counts down by (workbench/evaluation/analysis.py):
     # arithmetic: operation, carry, phrasing (empty: all three); a dataset: any column of its records
     breakdown: list[str] = field(default_factory=list)
+    # the learning curve: every N optimizer steps, right after a push, the weights the server now holds (the
+    # trainer's own) are scored on the first during_samples problems of during_split, greedily, with this section's
+    # request settings (training/evalcurve.py; 0: off). keep_best keeps the best-scoring step's model in train/best
+    every_steps: int = 0
+    during_split: str = "validation"
+    during_samples: int = 100
+    keep_best: bool = False
 
 
 # --max-lora-rank values vLLM accepts (vllm/config/lora.py MaxLoRARanks, 0.23.0 to 0.32.0)

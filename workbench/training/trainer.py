@@ -30,6 +30,7 @@ from workbench.rundir import TrainDir
 from workbench.serving import client, sync
 from workbench.tasks import dataset, rewards, rewardspec
 from workbench.training.canary import Canary
+from workbench.training.evalcurve import EvalCurve
 from workbench.training.config import grpo_config
 from workbench.training.groups import GroupRecorder, group_signal
 from workbench.training.overlap import Ahead
@@ -53,6 +54,7 @@ class _SyncingVLLMGeneration(VLLMGeneration):
         self.server_logprobs = server_logprobs
         super().__init__(*args, **kwargs)
         self.ahead = Ahead(self) if overlap and self.mode == "server" else None
+        self.curve: EvalCurve | None = None  # the learning curve (training/evalcurve.py), attached after the trainer
 
     def _init_vllm(self) -> None:
         if self.mode != "server":
@@ -135,10 +137,14 @@ class _SyncingVLLMGeneration(VLLMGeneration):
             self._push_adapter()
         else:
             super().sync_weights()
-        if self.canary is None or self.mode != "server" or not self.canary.due(self.step()):
+        if self.mode != "server":
             return
-        if self.sharded or self.accelerator.is_main_process:
+        if self.canary is not None and self.canary.due(self.step()) and (self.sharded or
+                                                                          self.accelerator.is_main_process):
             self._run_canary()
+        # the server holds the trainer's weights of this step and nothing is in flight: a point of the curve
+        if self.curve is not None and self.accelerator.is_main_process and self.curve.due(self.step()):
+            self.curve.score(self.step(), self.vllm_client.base_url, self.vllm_client.model)
 
 
 def vllm_generation_kwargs(trainer: GRPOTrainer, args: GRPOConfig) -> dict:
@@ -173,6 +179,8 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         self.canary = canary if wants_server else None
         self._phase_seconds: dict[str, float] = {}
         self._completion_tokens = 0
+        self._generated_total = 0  # completion tokens sampled for training so far (the curve's x axis)
+        self.curve: EvalCurve | None = None
         self._last_log_clock = time.perf_counter()
         self._steps_at_last_log = 0
         if wants_server:
@@ -241,6 +249,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
         self._timed("generation", started)  # includes the weight sync, which is subtracted at log time
         self._completion_tokens += sum(len(ids) for ids in completion_ids)
+        self._generated_total += sum(len(ids) for ids in completion_ids)
         if self.ahead is not None:
             self._ask_ahead()
         return completion_ids, logprobs
@@ -284,8 +293,9 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             return {}
         sync_s = sum(s for s, _ in pushes)
         canary_s = self.canary.drain_seconds() if self.canary is not None else 0.0
+        curve_s = self.curve.drain_seconds() if self.curve is not None else 0.0
         # the generation on the trainer's path: the whole request (sync), or the wait for an early batch (async)
-        waited = max(0.0, phases.get("generation", 0.0) - sync_s - canary_s)
+        waited = max(0.0, phases.get("generation", 0.0) - sync_s - canary_s - curve_s)
         generation, staleness = waited, 0.0
         if self.ahead is not None and (batches := self.ahead.drain()):
             generation, staleness = batches["seconds"], batches["staleness"]  # the server's own request time
@@ -300,6 +310,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             "time/scoring": max(0.0, rollout - waited - sync_s - reward) / steps,
             "time/optimisation": max(0.0, wall - rollout) / steps,
             "time/canary": canary_s / steps,  # inside the rollout, counted in time/scoring's remainder
+            "time/eval_curve": curve_s / steps,  # likewise: the learning curve's points (training/evalcurve.py)
             "rollout/completion_tokens": tokens / steps,
             "rollout/staleness": staleness,  # optimizer steps between the sampling weights and the trained ones
         }
@@ -346,7 +357,7 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
     dtype = "auto" if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     canary = Canary.for_recipe(rr, train_dir, tokenizer, log=log) if train_dir is not None else None
-    return WorkbenchGRPOTrainer(
+    trainer = WorkbenchGRPOTrainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=dataset.to_hf_dataset(rows),
         peft_config=lora_config(rr) if recipe.lora else None,
         reward_funcs=[rewards.guarded(spec) for spec in rewardspec.specs(recipe.rewards)],
@@ -356,6 +367,11 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
         overlap=recipe.rollout.overlapped,
         groups=(GroupRecorder(train_dir, recipe.monitor.groups_per_step, seed=recipe.data.seed)
                 if train_dir is not None and recipe.monitor.groups_per_step > 0 else None))
+    if train_dir is not None and getattr(trainer, "vllm_generation", None) is not None:
+        curve = EvalCurve.for_recipe(rr, train_dir, tokens=lambda: trainer._generated_total,
+                                     save=lambda path: trainer.save_model(str(path)))
+        trainer.curve = trainer.vllm_generation.curve = curve
+    return trainer
 
 
 def lora_config(rr: Resolved):

@@ -1,0 +1,80 @@
+"""The learning curve (eval.every_steps): the served weights scored on the validation split right after each push,
+for real in conftest's smoke run (3 steps, a point at every push, the best step kept), read by the dashboard's
+summary, the figure and the report; and its settings refused at load where the curve would mislead."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import CURVE_SAMPLES
+from workbench import recipe
+from workbench.errors import WorkbenchError
+
+
+def test_each_push_is_scored_and_the_best_step_is_kept(smoke_run, tiny_model_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workbench import tinymodel
+    from workbench.tasks import dataset
+
+    run, _ = smoke_run
+    points = [json.loads(line) for line in run.train.eval_curve.read_text().splitlines()]
+    assert [p["step"] for p in points] == [0, 1, 2]  # max_steps 3: the pushes before steps 1, 2 and 3
+    assert {p["split"] for p in points} == {"validation"} and {p["n"] for p in points} == {CURVE_SAMPLES}
+    assert all(p["unanswered"] == 0 and p["seconds"] > 0 for p in points)
+    assert points[0]["generated_tokens"] == 0 < points[1]["generated_tokens"] < points[2]["generated_tokens"]
+
+    # the first point scored the starting model: the same problems, greedy, in process
+    r = recipe.load("smoke")  # the run's data section (its recipe file names a reward module of its project)
+    rows = dataset.recipe_rows(r, split="validation", limit=CURVE_SAMPLES)
+    base = tinymodel.greedy_accuracy(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                     AutoTokenizer.from_pretrained(tiny_model_dir), rows)
+    assert points[0]["accuracy"] == base["accuracy"]
+
+    # train/best: the earliest best-scoring step, whole, with its tokenizer
+    best = max(points, key=lambda p: (p["accuracy"], -p["step"]))
+    assert json.loads((run.train.best / "best_step.json").read_text()) == {"step": best["step"]}
+    assert [p["step"] for p in points if p.get("best")][-1] == best["step"]
+    kept = load_file(str(run.train.best / "model.safetensors"))
+    start = load_file(str(tiny_model_dir / "model.safetensors"))
+    moved = any(not (kept[k] == start[k]).all() for k in start if k in kept)
+    assert moved == (best["step"] > 0)  # step 0's weights are the starting model's; any later step's are not
+    AutoTokenizer.from_pretrained(run.train.best)
+    assert not list(run.train.path.glob(".best.*"))  # nothing half-written left beside it
+
+    metrics = [json.loads(line) for line in run.train.metrics.read_text().splitlines() if '"loss"' in line]
+    assert sum(m["time/eval_curve"] for m in metrics) > 0
+
+
+def test_the_curve_is_on_the_dashboard_figure_and_report(smoke_run):
+    from workbench import plots
+    from workbench.observe import figures, report, rundata, views
+
+    run, _ = smoke_run
+    data = rundata.load(run.train)
+    rows = dict(views.summary_rows(data))
+    points = data.eval_curve
+    best = max(points, key=lambda p: (p["accuracy"], -p["step"]))
+    assert rows["validation accuracy during training (start → best → last)"].startswith(
+        f"{points[0]['accuracy']:.1%} (step 0) → {best['accuracy']:.1%} (step {best['step']})")
+    assert "% of the step time" in rows["learning curve's cost"]
+    fig = figures.training_figure(data)
+    assert any(ax.get_ylabel() == "accuracy (learning curve)" for ax in fig.axes)
+    assert plots.png_bytes(fig).startswith(b"\x89PNG")
+    html = report._curve(data)
+    assert f"Best at step {best['step']}" in html and "kept in train/best" in html
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["eval.every_steps=-1"], "eval.every_steps is -1"),
+    (["eval.keep_best=true"], "eval.keep_best is on but eval.every_steps is 0"),
+    (["eval.every_steps=10", "eval.during_split=train"], "the split GRPO trains on"),
+    (["eval.every_steps=10", "eval.keep_best=true", "eval.during_split=heldout"], "the split the run is reported on"),
+    (["eval.every_steps=10", "server.mode=colocate"], "the curve scores a server's weights"),
+    (["eval.every_steps=10", "eval.during_samples=0"], "eval.during_samples is 0"),
+])
+def test_curve_settings_that_would_mislead_are_refused_at_load(overrides, message):
+    with pytest.raises(WorkbenchError, match=message):
+        recipe.load("cpu-tiny", overrides)
