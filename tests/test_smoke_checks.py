@@ -86,3 +86,22 @@ def test_the_server_must_have_generated_exactly_what_the_steps_asked_for(tmp_pat
     (check,) = [c for c in smoke.verify(train, base).checks if c.name == "server served the rollouts"]
     assert check.ok is ok, check.detail
     assert f"{generated[0]} prompts, {generated[1]} completions generated (and 12 one-token probes)" in check.detail
+
+
+def test_the_learning_curves_requests_are_not_counted_as_rollouts(tmp_path):
+    """A run with eval.every_steps: the server also answered the curve's greedy requests (one prompt and one
+    completion per problem at each point, eval_curve.jsonl's n). Taken away, the rollouts must still be exact."""
+    from workbench.records import append_jsonl
+    from workbench.rundir import write_atomic
+    from workbench.training import smoke
+
+    train, base = _run(tmp_path, 0.5, moved=True)
+    write_atomic(train.path / "recipe.yaml", "trainer:\n  per_device_train_batch_size: 2\n  num_generations: 2\n")
+    for step in (0, 2):
+        append_jsonl(train.eval_curve, {"step": step, "n": 100, "accuracy": 0.5})
+    write_atomic(train.server_metrics_start, _metrics_page(5, 10, 4))
+    for extra, ok in ((200, True), (199, False), (0, False)):
+        write_atomic(train.server_metrics, _metrics_page(5 + 3 + extra, 10 + 6 + extra, 4))
+        (check,) = [c for c in smoke.verify(train, base).checks if c.name == "server served the rollouts"]
+        assert check.ok is ok, (extra, check.detail)
+    assert "200 learning-curve requests" in check.detail

@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from conftest import EXACT, served_during
+from conftest import CURVE_SAMPLES, EXACT, served_during
 from conftest import mean_abs as _mean_abs
 from conftest import model_logprobs as _model_logprobs
 from workbench import recipe
@@ -179,8 +179,10 @@ def test_smoke_run_through_the_server(smoke_run):
     assert all(r["sync/count"] >= 1 and r["sync/seconds"] > 0 for r in steps)
     served = served_during(train_dir)  # the server's own counters: at the run's end less at its start
     # what the steps asked for: 2 prompts x 4 generations a step, 3 steps; apart from the canary's one-token probes
-    # (4 probe sequences, checked after the first push only: canary_every is 10)
-    assert (served["generation_prompts"], served["generation_sequences"]) == (6, 24), served
+    # (4 probe sequences, checked after the first push only: canary_every is 10) and the learning curve's greedy
+    # requests (one per problem, at each of the 3 pushes)
+    curve = 3 * CURVE_SAMPLES
+    assert (served["generation_prompts"] - curve, served["generation_sequences"] - curve) == (6, 24), served
     assert served["probe_requests"] == 4, served
     assert (train_dir.final / "model.safetensors").exists() and (train_dir.final / "tokenizer.json").exists()
     assert (train_dir.checkpoints / "checkpoint-3").is_dir()

@@ -123,14 +123,16 @@ def _served_check(train_dir: TrainDir, summary: dict, steps: int) -> Check:
     if not train_dir.server_metrics.exists():
         return Check(name, False, f"no {train_dir.server_metrics.name}: the server's counters were not read")
     served = served_during(train_dir)
-    prompts, sequences = served["generation_prompts"], served["generation_sequences"]
+    # the learning curve's greedy requests (eval.every_steps): one prompt and one completion per problem scored
+    curve = sum(int(p.get("n", 0)) for p in read_jsonl(train_dir.eval_curve)) if train_dir.eval_curve.exists() else 0
+    prompts, sequences = served["generation_prompts"] - curve, served["generation_sequences"] - curve
     import yaml
 
     trainer = (yaml.safe_load(train_dir.recipe.read_text()) or {}).get("trainer") or {} if train_dir.recipe.exists() else {}
     generated_steps = steps - int(summary.get("resumed_from") or 0)
     want_prompts, want_sequences = rollouts_asked(trainer, int(summary.get("processes") or 1), generated_steps)
     counted = (f"{prompts:.0f} prompts, {sequences:.0f} completions generated (and "
-               f"{served['probe_requests']:.0f} one-token probes) for "
+               f"{served['probe_requests']:.0f} one-token probes{f', {curve} learning-curve requests' if curve else ''}) for "
                f"{generated_steps} steps that asked for {want_prompts} and {want_sequences}")
     if summary.get("restarts"):  # a restarted server counts from zero again: only the last server's share is here
         return Check(name, 0 < sequences <= want_sequences,
