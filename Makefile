@@ -31,7 +31,8 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -c "import vllm, trl, transformers, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__)"
 	touch $@
 
-# the demo trains with async rollouts: the same learning as cpu-tiny in about 0.6x the training time (README)
+# the demo trains with async rollouts (the next batch sampled while a step trains) and draws its learning curve on
+# the validation split; the speed of each rollout path on this machine: `workbench bench --recipe cpu-tiny`
 demo: $(STAMP)
 	$(VENV)/bin/workbench run --recipe cpu-tiny-async
 
