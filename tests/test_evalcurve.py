@@ -71,10 +71,38 @@ def test_the_curve_is_on_the_dashboard_figure_and_report(smoke_run):
     (["eval.every_steps=-1"], "eval.every_steps is -1"),
     (["eval.keep_best=true"], "eval.keep_best is on but eval.every_steps is 0"),
     (["eval.every_steps=10", "eval.during_split=train"], "the split GRPO trains on"),
-    (["eval.every_steps=10", "eval.keep_best=true", "eval.during_split=heldout"], "the split the run is reported on"),
+    (["eval.every_steps=10", "eval.keep_best=true", "eval.during_split=heldout"], "'heldout', the test split"),
+    (["eval.every_steps=10", "data.validation_size=0"], "data.validation_size is 0"),
     (["eval.every_steps=10", "server.mode=colocate"], "the curve scores a server's weights"),
     (["eval.every_steps=10", "eval.during_samples=0"], "eval.during_samples is 0"),
 ])
 def test_curve_settings_that_would_mislead_are_refused_at_load(overrides, message):
     with pytest.raises(WorkbenchError, match=message):
         recipe.load("cpu-tiny", overrides)
+
+
+def test_the_demo_recipe_with_its_curve_goes_through_the_protocols_choice():
+    """The protocol trains each candidate with eval.split=validation: the demo's keep_best (chosen on validation,
+    never on the test split) must not refuse it."""
+    from workbench.experiments.protocol import Candidate, check
+
+    check("cpu-tiny-async", [Candidate("recipe", []), Candidate("lr", ["trainer.learning_rate=1e-4"])], 0, [1, 2, 3], [])
+
+
+def test_a_resumed_curve_goes_on_from_its_kept_points(tmp_path):
+    """A resumed run (its eval_curve.jsonl cut back to the checkpoint by prepare_resume) scores its next point after
+    the last kept one; the best to beat is the kept points' only while train/best holds one of them."""
+    from workbench.records import append_jsonl
+    from workbench.rundir import TrainDir
+    from workbench.training.evalcurve import EvalCurve
+
+    rr = recipe.resolve(recipe.load("cpu-tiny", ["eval.every_steps=10", "eval.during_samples=5", "eval.keep_best=true"]))
+    train = TrainDir(tmp_path / "train").make()
+    for step, accuracy in ((0, 0.5), (10, 0.7), (20, 0.6)):
+        append_jsonl(train.eval_curve, {"step": step, "n": 5, "accuracy": accuracy})
+    curve = EvalCurve.for_recipe(rr, train, tokens=lambda: 0, save=lambda path: None)
+    assert curve.last == 20 and curve.best is None  # no train/best (removed with a discarded step): keep the next
+    assert not curve.due(29) and curve.due(30) and len(curve.rows) == 5
+    (train.best).mkdir()
+    (train.best / "best_step.json").write_text('{"step": 10}')
+    assert EvalCurve.for_recipe(rr, train, tokens=lambda: 0, save=lambda path: None).best == 0.7

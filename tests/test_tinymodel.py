@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +133,14 @@ def test_the_shipped_model_is_installed_whole_and_checked(tmp_path, monkeypatch)
     tinymodel.ensure(r, root=tmp_path, log=lines.append)
     assert "replacing" in lines[-2] and (path / "model.safetensors").read_bytes() == \
         (shipped / "model.safetensors").read_bytes()
+    # the entry every stage uses (ensure_model) also replaces an earlier local build in the data directory
+    monkeypatch.setenv("WORKBENCH_DATA", str(tmp_path / "data"))
+    rr = recipe.resolve(r)
+    (tmp_path / "data").mkdir()
+    shutil.copytree(path, rr.model_path)
+    (Path(rr.model_path) / "model.safetensors").write_bytes(b"an earlier local build")
+    assert tinymodel.ensure_model(rr, log=lines.append) == rr.model_path
+    assert (Path(rr.model_path) / "model.safetensors").read_bytes() == (shipped / "model.safetensors").read_bytes()
 
     broken = tmp_path / "release"
     shutil.copytree(shipped, broken / shipped.name)

@@ -345,8 +345,12 @@ def info(path: Path) -> dict:
 
 
 def ensure_model(rr, log=print) -> str:
-    """The resolved model path, with the tiny model built first when the recipe asks for it and it is missing."""
-    if rr.is_tiny and not (Path(rr.model_path) / INFO_FILE).is_file():
+    """The resolved model path, with the tiny model installed (the shipped build, also over a differing cached copy)
+    or built first when the recipe asks for it and it is missing."""
+    path = Path(rr.model_path)
+    shipped = RELEASE_DIR / path.name
+    if rr.is_tiny and (not (path / INFO_FILE).is_file() or
+                       ((shipped / CHECKSUMS).is_file() and not _matches(path, shipped))):
         ensure(rr.recipe, log=log)
     return rr.model_path
 

@@ -287,8 +287,7 @@ def sampler_drift(records) -> Finding | None:
     per-token log-prob gap between the sampler and the trainer (logged with vllm_importance_sampling_correction)
     rising through the run, and pushes that moved no bytes while the recipe syncs weights."""
     server = (records.recipe or {}).get("server", {})
-    syncs = server.get("weight_sync", "auto") != "none" and (records.recipe or {}).get("rollout", {}).get(
-        "mode") != "colocate"
+    syncs = server.get("weight_sync", "auto") != "none" and server.get("mode") not in ("colocate", "off")
     empty = [int(r["step"]) for r in records.metrics
              if r.get("sync/count", 0) > 0 and r.get("sync/megabytes", 1) == 0 and "step" in r]
     if syncs and empty:

@@ -521,19 +521,21 @@ def _during(recipe: Recipe) -> list[WorkbenchError]:
             out.append(WorkbenchError("eval.keep_best is on but eval.every_steps is 0: no step is scored",
                                       "set eval.every_steps to N, or drop eval.keep_best"))
         return out
-    if e.during_split == d.split:
+    if d.path:
+        out.append(WorkbenchError("eval.every_steps with data.path: a data file is read whole, whatever the split, so "
+                                  "the curve would score the training rows", "set eval.every_steps=0 for a data file"))
+    elif e.during_split == d.split:
         out.append(WorkbenchError(f"eval.during_split is {e.during_split!r}, the split GRPO trains on",
                                   "score the curve on validation (data.validation_size problems kept out of training)"))
     elif d.name == "arithmetic" and e.during_split not in ("validation", "heldout"):
         out.append(WorkbenchError(f"eval.during_split is {e.during_split!r}, not an arithmetic evaluation split",
                                   "use validation"))
-    elif e.during_split == "validation" and d.name in DATASETS and d.validation_size == 0:
+    elif e.during_split == "validation" and (d.name == "arithmetic" or d.name in DATASETS) and d.validation_size == 0:
         out.append(WorkbenchError("eval.during_split is validation but data.validation_size is 0",
                                   "set data.validation_size to the problems to keep for choosing settings"))
-    if e.keep_best and e.during_split == e.split:
-        out.append(WorkbenchError(f"eval.keep_best chooses the step by its score on {e.during_split!r}, the split "
-                                  f"the run is reported on (eval.split): the report would be the chosen model's "
-                                  "best luck", "set eval.during_split=validation and eval.split=heldout"))
+    if e.keep_best and e.during_split == "heldout":
+        out.append(WorkbenchError("eval.keep_best chooses the step by its score on 'heldout', the test split: a result "
+                                  "reported for that model would be its best luck", "set eval.during_split=validation"))
     dist = recipe.distributed
     if e.keep_best and (dist.strategy == "fsdp" or (dist.strategy == "deepspeed" and dist.zero_stage == 3)):
         out.append(WorkbenchError(f"eval.keep_best with distributed.strategy={dist.strategy}"

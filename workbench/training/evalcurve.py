@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
 from workbench.records import append_jsonl
 from workbench.rundir import TrainDir
@@ -53,12 +54,16 @@ class EvalCurve:
         if e.every_steps <= 0:
             return None
         rows = dataset.recipe_rows(rr.recipe, split=e.during_split, limit=e.during_samples)
+        if not rows:
+            raise WorkbenchError(f"eval.every_steps: the {e.during_split} split has no rows to score",
+                                 "set data.validation_size above 0, or eval.every_steps=0")
         curve = cls(rr, train_dir, rows, tokens, save if e.keep_best else None)
         if train_dir.eval_curve.exists():  # a resumed run: its curve goes on, its best stays the one to beat
             points = [json.loads(line) for line in train_dir.eval_curve.read_text().splitlines() if line.strip()]
             if points:
-                curve.best = max(p["accuracy"] for p in points)
                 curve.last = points[-1]["step"]
+                if (train_dir.best / "best_step.json").exists():  # else the next point is kept, whatever it scores
+                    curve.best = max(p["accuracy"] for p in points)
         return curve
 
     def due(self, step: int) -> bool:
@@ -112,8 +117,12 @@ class EvalCurve:
         best = self.train_dir.best
         tmp = best.with_name(f".best.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.save(tmp)
-        (tmp / "best_step.json").write_text(json.dumps({"step": step}))
+        try:
+            self.save(tmp)
+            (tmp / "best_step.json").write_text(json.dumps({"step": step}))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         old = best.with_name(f".best.old-{os.getpid()}")
         if best.exists():
             os.replace(best, old)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -288,7 +289,11 @@ def prepare_resume(rr: Resolved, train_dir: TrainDir, log=print) -> Path:
                              "raise trainer.max_steps in a new run, or resume a run that was interrupted")
     logged = [r.get("step", 0) for r in read_jsonl(train_dir.metrics, normalised=False)]
     reached = max(logged, default=0)
-    dropped = {path.name: truncate_after(path, step) for path in (train_dir.metrics, train_dir.canary)}
+    dropped = {path.name: truncate_after(path, step)
+               for path in (train_dir.metrics, train_dir.canary, train_dir.eval_curve)}
+    kept_best = train_dir.best / "best_step.json"
+    if kept_best.exists() and json.loads(kept_best.read_text()).get("step", 0) > step:
+        shutil.rmtree(train_dir.best)  # the best of a trajectory the resume discards
     for logged_at, parquet in train_dir.completion_logs().items():
         if logged_at > step:
             parquet.unlink()

@@ -144,7 +144,11 @@ class _SyncingVLLMGeneration(VLLMGeneration):
             self._run_canary()
         # the server holds the trainer's weights of this step and nothing is in flight: a point of the curve
         if self.curve is not None and self.accelerator.is_main_process and self.curve.due(self.step()):
-            self.curve.score(self.step(), self.vllm_client.base_url, self.vllm_client.model)
+            try:
+                self.curve.score(self.step(), self.vllm_client.base_url, self.vllm_client.model)
+            except Exception as exc:  # a measuring aid must never end a training run: say so once and stop it
+                print(f"warning: the learning curve stopped ({type(exc).__name__}: {exc})", flush=True)
+                self.curve = None
 
 
 def vllm_generation_kwargs(trainer: GRPOTrainer, args: GRPOConfig) -> dict:
@@ -369,7 +373,8 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
                 if train_dir is not None and recipe.monitor.groups_per_step > 0 else None))
     if train_dir is not None and getattr(trainer, "vllm_generation", None) is not None:
         curve = EvalCurve.for_recipe(rr, train_dir, tokens=lambda: trainer._generated_total,
-                                     save=lambda path: trainer.save_model(str(path)))
+                                     # _internal_call: a best step is not pushed to the Hub (push_to_hub)
+                                     save=lambda path: trainer.save_model(str(path), _internal_call=True))
         trainer.curve = trainer.vllm_generation.curve = curve
     return trainer
 
