@@ -17,7 +17,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, SERVER_KEY_ENV, workbench_command
+from conftest import CURVE_SAMPLES, REPO, SERVER_KEY_ENV, workbench_command
 from workbench.errors import WorkbenchError
 from workbench.observe import compare, figures
 from workbench.rundir import RunDir
@@ -33,7 +33,9 @@ CHANGED = {"trainer.report_to": ("tensorboard", "none"), "trainer.learning_rate"
            "server.url": ("the session server's URL", None),
            # the smoke run trains against the keyed session server, its trainer in a child process (devices.env)
            "server.api_key_env": (SERVER_KEY_ENV, None), "devices.env.WORKBENCH_TEST_ROLE": ("trainer", compare.ABSENT),
-           "devices.env": (compare.ABSENT, {})}  # the other run's empty section is a value of its own when flattened
+           "devices.env": (compare.ABSENT, {}),  # the other run's empty section is a value of its own when flattened
+           # the smoke run draws the learning curve at every push (tests/test_evalcurve.py)
+           "eval.every_steps": (1, 0), "eval.during_samples": (CURVE_SAMPLES, 100), "eval.keep_best": (True, False)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
