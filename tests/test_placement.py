@@ -99,11 +99,19 @@ def accelerate_ranks(rr, train_dir: TrainDir) -> tuple[dict, list[dict]]:
     npu = rr.platform == "npu"
     # the port check is accelerate's, but nothing is bound here (the spawn is caught): another process on the
     # rendezvous port must not fail it
-    with mock.patch.dict(os.environ, env, clear=True), \
-            mock.patch.object(accelerate_launch, "is_npu_available", lambda *a, **k: npu), \
-            mock.patch.object(accelerate_launch, "is_port_in_use", lambda *a, **k: False), \
-            mock.patch.object(distributed_run, "run", spawn), \
-            mock.patch.object(subprocess, "Popen", no_ssh):
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(os.environ, env, clear=True))
+        # the platform as accelerate asks for it: is_npu_available up to 1.15, torch.accelerator's backend from 1.16
+        if hasattr(accelerate_launch, "is_npu_available"):
+            stack.enter_context(mock.patch.object(accelerate_launch, "is_npu_available", lambda *a, **k: npu))
+        if hasattr(accelerate_launch, "get_torch_accelerator_backend"):
+            stack.enter_context(mock.patch.object(accelerate_launch, "get_torch_accelerator_backend",
+                                                  lambda *a, **k: ("npu" if npu else "cuda", None)))
+        stack.enter_context(mock.patch.object(accelerate_launch, "is_port_in_use", lambda *a, **k: False))
+        stack.enter_context(mock.patch.object(distributed_run, "run", spawn))
+        stack.enter_context(mock.patch.object(subprocess, "Popen", no_ssh))
         launch_command(args)
     config = seen["config"]
     nproc = int(config.nproc_per_node)
