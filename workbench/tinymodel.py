@@ -16,7 +16,6 @@ data/tiny-model/<settings-hash>/ (see workbench.paths) and reused when the setti
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -34,11 +33,6 @@ from workbench.tasks import arithmetic, rewards
 
 BUILD_VERSION = TINY_BUILD_VERSION
 INFO_FILE = "tiny_model.json"
-WEIGHTS = "model.safetensors"
-# builds shipped with the package (package data), one directory per settings key: the same starting model on
-# every machine, since a build follows the CPU's kernels (63.0% vs 54.7% held-out on one box, avx2 vs default)
-RELEASE_DIR = Path(__file__).parent / "tiny_release"
-CHECKSUMS = "SHA256SUMS"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -179,112 +173,17 @@ def _count_params(model) -> int:
 
 
 def ensure(recipe: Recipe, root: Path | None = None, force: bool = False, log=print) -> Path:
-    """The recipe's tiny model in the cache, returned as its directory: the shipped build when the package has one
-    for these settings (installed once, checked against its checksums; a cached copy that differs is replaced),
-    else built here (or reused when an identical build is cached). `force`: build here even so — for settings the
-    package ships, into `<key>-rebuilt/` beside the shipped one, which stays the model the recipe uses."""
+    """Build the recipe's tiny model unless an identical one is cached; return its directory."""
     if recipe.model.tiny.lr_schedule not in ("cosine", "constant"):
         raise WorkbenchError(f"model.tiny.lr_schedule is {recipe.model.tiny.lr_schedule!r}",
                              "use cosine or constant")
     target = model_dir(recipe, root)
-    shipped = RELEASE_DIR / target.name
-    if (shipped / CHECKSUMS).is_file():
-        if force:
-            rebuilt = _build(recipe, target.with_name(target.name + "-rebuilt"), log)
-            same = _sha256(rebuilt / WEIGHTS) == _checksums(shipped)[WEIGHTS]
-            log(f"rebuilt here: weights {'identical to' if same else 'differ from'} the shipped build's; the "
-                f"recipe keeps using the shipped one ({target}); shipped held-out accuracy "
-                f"{json.loads((shipped / INFO_FILE).read_text())['heldout']['accuracy']:.1%}")
-            return rebuilt
-        if not _matches(target, shipped):
-            return install_release(shipped, target, log)
-    elif force:
-        return _build(recipe, target, log)
     info_path = target / INFO_FILE
-    if info_path.is_file():
+    if info_path.is_file() and not force:
         info = json.loads(info_path.read_text())
         log(f"tiny model reused: {target} (held-out accuracy {info['heldout']['accuracy']:.1%}, "
             f"format {info['heldout']['format_rate']:.1%})")
         return target
-    return _build(recipe, target, log)
-
-
-def _checksums(release: Path) -> dict[str, str]:
-    return {name: digest for digest, name in (line.split(maxsplit=1) for line in
-                                              (release / CHECKSUMS).read_text().splitlines() if line.strip())}
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _matches(target: Path, release: Path) -> bool:
-    """Whether the cached model is the shipped one (every shipped file there with the shipped checksum)."""
-    return all((target / name).is_file() and _sha256(target / name) == digest
-               for name, digest in _checksums(release).items())
-
-
-def install_release(release: Path, target: Path, log=print) -> Path:
-    """Copy a shipped build into the cache, each file checked against the release's SHA256SUMS, renamed into place
-    whole (a cached copy that differs, e.g. an earlier local build, is replaced)."""
-    sums = _checksums(release)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        for name, digest in sums.items():
-            shutil.copyfile(release / name, tmp / name)
-            if _sha256(tmp / name) != digest:
-                raise WorkbenchError(f"the shipped tiny model's {name} ({release}) does not match its checksum",
-                                     "reinstall the package (pip install -e .), or build the model on this machine: "
-                                     "workbench tiny-model --force")
-        if target.exists():
-            log(f"replacing {target} (not the shipped build) with the shipped one")
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    info = json.loads((target / INFO_FILE).read_text())
-    log(f"tiny model installed from the release: {target} (held-out accuracy {info['heldout']['accuracy']:.1%}, "
-        f"built on {info.get('built_on', {}).get('cpu', 'an unrecorded machine')}; sha256 of the weights "
-        f"{sums[WEIGHTS][:12]})")
-    return target
-
-
-def release(recipe: Recipe, log=print) -> Path:
-    """Build the recipe's tiny model here and make it the package's shipped build for these settings
-    (workbench/tiny_release/<key>/ with SHA256SUMS): `python -m workbench.tinymodel --release`."""
-    key = model_dir(recipe).name
-    built = _build(recipe, model_dir(recipe).with_name(key + "-release"), log)
-    out = RELEASE_DIR / key
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    names = sorted(p.name for p in built.iterdir() if p.is_file())
-    for name in names:
-        shutil.copyfile(built / name, out / name)
-    (out / CHECKSUMS).write_text("".join(f"{_sha256(out / n)}  {n}\n" for n in names))
-    shutil.rmtree(built)
-    log(f"shipped build written: {out}")
-    return out
-
-
-def built_on() -> dict:
-    """The machine a build ran on: its weights follow the CPU's kernels (avx2 vs avx512 vs the default path)."""
-    import platform
-
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
-        platform.processor()
-    return {"cpu": cpu, "machine": platform.machine(), "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY")}
-
-
-def _build(recipe: Recipe, target: Path, log=print) -> Path:
-    """Build the tiny model into `target` (replaced whole when there)."""
     import torch
 
     tiny = recipe.model.tiny
@@ -322,7 +221,6 @@ def _build(recipe: Recipe, target: Path, log=print) -> Path:
         "seconds": {"pretrain": round(pretrain_s, 1), "eval": round(eval_s, 1),
                     "total": round(time.time() - started, 1)},
         "torch_threads": threads,
-        "built_on": built_on(),
     }
     # Build next to the target and rename: a crash never leaves a half-written model that looks cached.
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -345,12 +243,8 @@ def info(path: Path) -> dict:
 
 
 def ensure_model(rr, log=print) -> str:
-    """The resolved model path, with the tiny model installed (the shipped build, also over a differing cached copy)
-    or built first when the recipe asks for it and it is missing."""
-    path = Path(rr.model_path)
-    shipped = RELEASE_DIR / path.name
-    if rr.is_tiny and (not (path / INFO_FILE).is_file() or
-                       ((shipped / CHECKSUMS).is_file() and not _matches(path, shipped))):
+    """The resolved model path, with the tiny model built first when the recipe asks for it and it is missing."""
+    if rr.is_tiny and not (Path(rr.model_path) / INFO_FILE).is_file():
         ensure(rr.recipe, log=log)
     return rr.model_path
 
@@ -370,12 +264,10 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m workbench.tinymodel")
     parser.add_argument("--recipe", default="cpu-tiny")
-    parser.add_argument("--force", action="store_true", help="build on this machine (see ensure)")
-    parser.add_argument("--release", action="store_true",
-                        help="build here and ship the build with the package (workbench/tiny_release/)")
+    parser.add_argument("--force", action="store_true")
     args, overrides = parser.parse_known_args(argv)
     r = recipes.load(args.recipe, overrides)
-    print(release(r) if args.release else ensure(r, force=args.force))
+    print(ensure(r, force=args.force))
 
 
 if __name__ == "__main__":
