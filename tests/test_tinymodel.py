@@ -15,10 +15,26 @@ def _weights(path):
     return load_file(str(path / "model.safetensors"))
 
 
-def test_build_is_deterministic_and_seeded(tmp_path):
+def test_build_is_the_same_whatever_the_callers_kernels_and_threads(tmp_path, monkeypatch):
+    """The build runs pinned (tinymodel.PINNED_ENV): a caller with other torch kernels, threads and MKL path gets
+    the same weights and tokenizer; a digest that differs from the reference is said, not hidden."""
     r = recipe.load("cpu-tiny", SMALL)
-    a = tinymodel.ensure(r, root=tmp_path / "a", log=lambda *_: None)
-    b = tinymodel.ensure(r, root=tmp_path / "b", log=lambda *_: None)
+    key = tinymodel.model_dir(r).name
+    lines: list[str] = []
+    monkeypatch.setitem(tinymodel.REFERENCE, key, {"weights_sha256": "0" * 64, "heldout_accuracy": 0.5,
+                                                   "torch": "x"})
+    a = tinymodel.ensure(r, root=tmp_path / "a", log=lines.append)
+    assert tinymodel.info(a)["reference"]["matches"] is False
+    assert any(line.startswith("warning: these weights differ from the reference build") for line in lines), lines
+    for name, value in {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+                        "MKL_CBWR": "AUTO", "GLIBC_TUNABLES": ""}.items():
+        monkeypatch.setenv(name, value)  # unpinned, these two builds differ (avx2 vs default kernels)
+    monkeypatch.setitem(tinymodel.REFERENCE, key, {"weights_sha256": tinymodel.info(a)["weights_sha256"],
+                                                   "heldout_accuracy": 0.5, "torch": "x"})
+    lines.clear()
+    b = tinymodel.ensure(r, root=tmp_path / "b", log=lines.append)
+    assert tinymodel.info(b)["reference"]["matches"] is True and not [x for x in lines if "warning" in x]
+    assert tinymodel.info(b)["pinned"] == tinymodel.PINNED_ENV
     wa, wb = _weights(a), _weights(b)
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -54,6 +70,11 @@ def test_default_tiny_model_follows_format_but_is_often_wrong(tiny_model_dir):
     assert info["seconds"]["total"] < 180
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    # the weights of the recorded reference build of these settings (tinymodel.REFERENCE; CI builds on its own CPU): the
+    # base every machine's demo starts from
+    reference = tinymodel.REFERENCE[tiny_model_dir.name]
+    assert tinymodel.weights_digest(model) == reference["weights_sha256"]
+    assert held["accuracy"] == pytest.approx(reference["heldout_accuracy"], abs=5e-4)
     assert model.config.model_type == "qwen2" and model.config.tie_word_embeddings
     text = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 34?"}], add_generation_prompt=True,
                                    tokenize=False)

@@ -120,6 +120,8 @@ class TrainDir:
     events = property(lambda self: self.path / "events.jsonl")  # restarts, resumes, canary alarms, failures
     canary = property(lambda self: self.path / "canary.jsonl")  # the weight-parity probe, one line per check
     eval_curve = property(lambda self: self.path / "eval_curve.jsonl")  # the learning curve (training/evalcurve.py)
+    # the starting model's distributions on the probes, the drift's reference (training/drift.py)
+    drift_reference = property(lambda self: self.path / "drift_reference.pt")
     best = property(lambda self: self.path / "best")  # eval.keep_best: the best-scoring step's model
     groups = property(lambda self: self.path / "groups")  # step_NNNNNN.parquet: every GRPO group (training/groups.py)
     restart_request = property(lambda self: self.path / "server-restart.request")  # a rank asks for a new server

@@ -172,8 +172,105 @@ def _count_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# A build runs in a child process with every numeric library pinned to one code path, so that the same settings give
+# the same weights on any x86-64 CPU with AVX2, whatever its own vector units, its core count or the caller's thread
+# settings. Built with each machine's fastest kernels, the default model scored 63.0% held-out on one AVX2 box and
+# 54.7% with ATEN_CPU_CAPABILITY=default on the same box: two machines started GRPO from different bases. Scoring is
+# portable (one set of weights scores the same under every kernel level); building was not.
+PINNED_ENV = {
+    "ATEN_CPU_CAPABILITY": "default",  # torch's own kernels (norms, softmax, the optimizer): the baseline build
+    "MKL_CBWR": "AVX2,STRICT",  # MKL's matrix products: its AVX2 path on every CPU, whatever the memory alignment
+    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",  # one thread: no sum whose order follows the core count
+    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX",  # libm's baseline exp/log, not its FMA variants
+}
+
+# Reference builds, by settings key (the cache directory's name): the weights' digest (weights_digest) and what they
+# score. A build whose digest differs says so instead of passing for the model the README's figures start from.
+# Made with `workbench tiny-model --force` (torch 2.13.0+cpu, MKL in its wheel, glibc 2.36) on a 2-core AMD EPYC.
+REFERENCE: dict[str, dict] = {
+    # cpu-tiny and the recipes that extend it (the demo's): 250 steps on data seed 0's training split
+    "4848f5c3e4ae": {"weights_sha256": "b3e0aa63c189a9b7846fe6dd87cb3590fbd7afe910a0b83f5d61f112492c0f82",
+                     "heldout_accuracy": 0.5467, "torch": "2.13.0+cpu"},
+}
+
+
+def weights_digest(model) -> str:
+    """sha256 over the state dict: each tensor's name, dtype, shape and bytes, in name order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().contiguous().cpu()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _build(spec: dict, into: Path, log=print) -> None:
+    """The build itself, in the pinned child process: tokenizer, model, pre-training, held-out score, saved into
+    `into` with its record."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.backends.mkldnn.enabled = False  # oneDNN picks kernels by CPU; MKL under MKL_CBWR does not
+    tiny = TinyModelConfig(**spec["tiny"])
+    started = time.time()
+    torch.manual_seed(tiny.seed)
+    random.seed(tiny.seed)
+    splits = {"seed": spec["data_seed"], "heldout_size": spec["heldout_size"],
+              "validation_size": spec["validation_size"]}
+    # pre-trained on the train split only: the validation problems stay as unseen as the held-out ones
+    train_rows = arithmetic.rows("train", **splits)
+    heldout_rows = arithmetic.rows("heldout", **splits)
+    tokenizer = build_tokenizer([_chat_text(r) for r in train_rows[:4000]], tiny.vocab_size)
+    torch.manual_seed(tiny.seed)
+    model = build_model(tokenizer, tiny)
+    log(f"  tokenizer {len(tokenizer)} tokens, model {_count_params(model) / 1e6:.2f}M parameters, one thread, "
+        f"{torch.backends.cpu.get_cpu_capability().lower()} kernels")
+    t0 = time.time()
+    losses = pretrain(model, tokenizer, train_rows, tiny, log=log)
+    pretrain_s = time.time() - t0
+    t0 = time.time()
+    heldout = greedy_accuracy(model, tokenizer, heldout_rows[:tiny.eval_size])
+    eval_s = time.time() - t0
+    info = {
+        "settings": asdict(tiny),
+        "data_seed": spec["data_seed"],
+        "heldout_size": spec["heldout_size"],
+        "validation_size": spec["validation_size"],
+        "build_version": BUILD_VERSION,
+        "parameters": _count_params(model),
+        "final_loss": losses[-1] if losses else None,
+        "heldout": heldout,
+        "weights_sha256": weights_digest(model),
+        "pinned": {k: os.environ.get(k) for k in PINNED_ENV},
+        "torch": torch.__version__,
+        "seconds": {"pretrain": round(pretrain_s, 1), "eval": round(eval_s, 1),
+                    "total": round(time.time() - started, 1)},
+        "torch_threads": torch.get_num_threads(),
+    }
+    model.save_pretrained(into)
+    tokenizer.save_pretrained(into)
+    (into / INFO_FILE).write_text(json.dumps(info, indent=2))
+
+
+def _die_with_parent() -> None:  # runs in the child before exec
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def ensure(recipe: Recipe, root: Path | None = None, force: bool = False, log=print) -> Path:
-    """Build the recipe's tiny model unless an identical one is cached; return its directory."""
+    """Build the recipe's tiny model unless an identical one is cached; return its directory. The build runs in a
+    child process under PINNED_ENV and is checked against REFERENCE."""
+    import subprocess
+    import sys
+    from collections import deque
+
     if recipe.model.tiny.lr_schedule not in ("cosine", "constant"):
         raise WorkbenchError(f"model.tiny.lr_schedule is {recipe.model.tiny.lr_schedule!r}",
                              "use cosine or constant")
@@ -184,56 +281,54 @@ def ensure(recipe: Recipe, root: Path | None = None, force: bool = False, log=pr
         log(f"tiny model reused: {target} (held-out accuracy {info['heldout']['accuracy']:.1%}, "
             f"format {info['heldout']['format_rate']:.1%})")
         return target
-    import torch
-
-    tiny = recipe.model.tiny
-    started = time.time()
-    torch.manual_seed(tiny.seed)
-    random.seed(tiny.seed)
-    threads = torch.get_num_threads()
-    # pre-trained on the train split only: the validation problems stay as unseen as the held-out ones
-    d = recipe.data
-    train_rows = arithmetic.rows("train", seed=d.seed, heldout_size=d.heldout_size, validation_size=d.validation_size)
-    heldout_rows = arithmetic.rows("heldout", seed=d.seed, heldout_size=d.heldout_size, validation_size=d.validation_size)
-    if tiny.eval_size > len(heldout_rows):
-        raise WorkbenchError(f"model.tiny.eval_size={tiny.eval_size} exceeds data.heldout_size={len(heldout_rows)}",
+    tiny, d = recipe.model.tiny, recipe.data
+    if tiny.eval_size > d.heldout_size:
+        raise WorkbenchError(f"model.tiny.eval_size={tiny.eval_size} exceeds data.heldout_size={d.heldout_size}",
                              "lower model.tiny.eval_size or raise data.heldout_size")
     log(f"building tiny model -> {target}")
-    tokenizer = build_tokenizer([_chat_text(r) for r in train_rows[:4000]], tiny.vocab_size)
-    torch.manual_seed(tiny.seed)
-    model = build_model(tokenizer, tiny)
-    log(f"  tokenizer {len(tokenizer)} tokens, model {_count_params(model) / 1e6:.2f}M parameters, {threads} threads")
-    t0 = time.time()
-    losses = pretrain(model, tokenizer, train_rows, tiny, log=log)
-    pretrain_s = time.time() - t0
-    t0 = time.time()
-    heldout = greedy_accuracy(model, tokenizer, heldout_rows[:tiny.eval_size])
-    eval_s = time.time() - t0
-    info = {
-        "settings": asdict(tiny),
-        "data_seed": recipe.data.seed,
-        "heldout_size": recipe.data.heldout_size,
-        "validation_size": recipe.data.validation_size,
-        "build_version": BUILD_VERSION,
-        "parameters": _count_params(model),
-        "final_loss": losses[-1] if losses else None,
-        "heldout": heldout,
-        "seconds": {"pretrain": round(pretrain_s, 1), "eval": round(eval_s, 1),
-                    "total": round(time.time() - started, 1)},
-        "torch_threads": threads,
-    }
-    # Build next to the target and rename: a crash never leaves a half-written model that looks cached.
+    # Built next to the target and renamed: a crash never leaves a half-written model that looks cached.
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
+    tmp.mkdir()
+    spec = {"tiny": asdict(tiny), "data_seed": d.seed, "heldout_size": d.heldout_size,
+            "validation_size": d.validation_size}
+    cmd = [sys.executable, "-m", "workbench.tinymodel", "--pinned-build", json.dumps(spec), "--into", str(tmp)]
+    tail: deque[str] = deque(maxlen=20)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **PINNED_ENV}, preexec_fn=_die_with_parent)
+    try:
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            if line.startswith("  "):  # the build's progress lines; warnings stay in the tail for a failure
+                log(line.rstrip())
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.returncode:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if code:
+        raise WorkbenchError(f"building the tiny model failed (exit {code}):\n" + "\n".join(tail),
+                             "fix the cause above and run `workbench tiny-model` again")
+    info = json.loads((tmp / INFO_FILE).read_text())
+    reference = REFERENCE.get(target.name)
+    if reference is not None:
+        info["reference"] = {**reference, "matches": info["weights_sha256"] == reference["weights_sha256"]}
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)
+    heldout = info["heldout"]
     log(f"tiny model built in {info['seconds']['total']:.0f} s: held-out accuracy {heldout['accuracy']:.1%} "
         f"(format {heldout['format_rate']:.1%}) on {heldout['n']} problems")
+    if reference is not None and not info["reference"]["matches"]:
+        log(f"warning: these weights differ from the reference build of the same settings "
+            f"({info['weights_sha256'][:12]} vs {reference['weights_sha256'][:12]}; reference held-out accuracy "
+            f"{reference['heldout_accuracy']:.1%}, torch {reference['torch']}): results from this base are not "
+            f"comparable with the README's. The build is reproducible on x86-64 CPUs with AVX2 under the same "
+            f"torch; this machine has torch {info['torch']}")
     return target
 
 
@@ -265,7 +360,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m workbench.tinymodel")
     parser.add_argument("--recipe", default="cpu-tiny")
     parser.add_argument("--force", action="store_true")
+    parser.add_argument("--pinned-build", help=argparse.SUPPRESS)  # the child ensure() starts: a JSON spec
+    parser.add_argument("--into", help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
+    if args.pinned_build:
+        _build(json.loads(args.pinned_build), Path(args.into), log=lambda line: print(line, flush=True))
+        return
     r = recipes.load(args.recipe, overrides)
     print(ensure(r, force=args.force))
 

@@ -287,7 +287,7 @@ def _saturate(client, prompts: list, params: dict, concurrencies: list[int], rou
 def _recipe(base, size: str, path: str, steps: int, warmup: int, extra: list[str]):
     common = [f"trainer.max_steps={steps + warmup}", "trainer.logging_steps=1", "trainer.save_strategy=no",
               "trainer.log_completions=false", "trainer.vllm_importance_sampling_correction=true",
-              "monitor.canary_every=0"]
+              "monitor.canary_every=0", "monitor.drift_every=0"]  # no probe pass inside a timed step
     recipe = load(base, SIZES[size] + common + PATHS[path] + extra)
     needed = recipe.data.max_prompt_length + recipe.max_completion_length
     if recipe.server.max_model_len < needed:

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from workbench.training.drift import KEY as DRIFT_KEY
 from workbench.training.groups import ZERO_SPREAD_TOP, zero_spread_key
 
 IDLE_SERVER_UTIL_PCT = 35.0      # server devices busier than this are not "idle"
@@ -29,6 +30,9 @@ REWARD_DROP = 0.7                # the last third's reward below this share of t
 SYNC_SHARE = 0.15                # weight sync this share of the step
 DRIFT_RISE = 10.0                # the canary's gap, last third vs first third
 SAMPLER_GAP_MIN = 1e-3           # nats/token: TRL's sampler-trainer gap worth a finding when it rises DRIFT_RISE-fold
+MOVED_KL = 0.5                   # nats/token from the start on the probes: far for a run whose reward did not rise
+STILL_KL = 1e-3                  # ... and so little that the updates are not moving the policy at all
+REWARD_GAIN = 0.01               # the reward's last third over its first third that counts as a rise
 RSS_GROWTH = 0.10                # a role's resident memory, end vs start of the run
 RSS_GROWTH_MIN_MB = 200.0
 
@@ -244,6 +248,35 @@ def reward_unstable(records) -> Finding | None:
     return None
 
 
+def policy_drift(records) -> Finding | None:
+    """The policy's KL from its starting weights (drift/kl_start, logged whatever beta is) against the reward: far
+    from the start with no reward gain is a policy changing without learning; no movement at all, updates too small
+    to matter."""
+    drift, reward = _series(records.metrics, DRIFT_KEY), _series(records.metrics, "reward")
+    if len(drift) < 3 or len(reward) < 6:
+        return None
+    first, last = _thirds(reward)
+    gain = statistics.fmean(last) - statistics.fmean(first)
+    if gain > REWARD_GAIN:
+        return None
+    lr = _trainer(records).get("learning_rate")
+    now = f" (now {lr:g})" if isinstance(lr, (int, float)) else ""
+    if drift[-1] >= MOVED_KL:
+        return Finding(
+            "policy_drift", "warning", "The policy moved far from its start without a reward gain",
+            f"KL from the start {drift[-1]:.3g} nats/token on the probes (max {max(drift):.3g}); reward "
+            f"{statistics.fmean(first):.3g} -> {statistics.fmean(last):.3g} (first vs last third)",
+            f"lower trainer.learning_rate{now} or set trainer.beta > 0 to hold it near the start; read the "
+            "completions: a reward being met off-task moves the policy without raising the score you want")
+    if max(drift) < STILL_KL:
+        return Finding(
+            "policy_still", "info", "The policy is not moving",
+            f"KL from the start at most {max(drift):.3g} nats/token on the probes, and the reward flat "
+            f"({statistics.fmean(first):.3g} -> {statistics.fmean(last):.3g})",
+            f"raise trainer.learning_rate{now}; check that groups have reward spread (no signal, no gradient)")
+    return None
+
+
 def sync_share(records) -> Finding | None:
     sync_s, step = _series(records.metrics, "time/weight_sync"), _series(records.metrics, "time/step")
     if not sync_s or not step:
@@ -360,7 +393,7 @@ def memory_growth(records) -> Finding | None:
 
 RULES: dict[str, Callable] = {fn.__name__: fn for fn in
                               (idle_server, low_concurrency, long_tail, kl_spikes, no_signal, reward_unstable,
-                               sync_share, weight_drift, sampler_drift, server_faults, memory_growth)}
+                               policy_drift, sync_share, weight_drift, sampler_drift, server_faults, memory_growth)}
 
 
 def advise(records=None, *, metrics=None, devices=None, rollout=None, recipe=None) -> list[Finding]:

@@ -3,7 +3,7 @@
     fig = figures.training_figure(rundata.load("runs/<id>"))
     png = plots.png_bytes(fig)
 
-Panels: reward (total and per reward function), KL, entropy, completion length (mean, max, clipped ratio),
+Panels: reward (total and per reward function), KL (the drift from the start, TRL's beside it), entropy, completion length (mean, max, clipped ratio),
 learning signal (reward std, groups with no signal), step-time breakdown, device utilization per role, device
 memory per role, and the server's concurrency with its generation throughput. A panel with no data says so
 instead of drawing an empty axis.
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from workbench.plots import plt
+from workbench.training.drift import KEY as DRIFT_KEY
 from workbench.training.groups import zero_spread_key
 
 # the phases that add up to a step: the trainer's wait for rollouts (all of the generation when synchronous, the
@@ -90,13 +91,25 @@ def training_figure(data, title: str | None = None):
     else:
         _empty(ax[0], "no reward logged yet")
 
-    for panel, key, title_text in ((ax[1], "kl", "KL to the reference"), (ax[2], "entropy", "entropy (nats/token)")):
+    # KL: the workbench's drift from the starting weights on the probes (any beta), TRL's KL to its reference
+    # model beside it (beta > 0 only)
+    drawn = False
+    for key, label, style in ((DRIFT_KEY, "from the start (probes)", "o-"), ("kl", "TRL's, to the reference", "-")):
         x, y = _xy(metrics, key)
         if x:
-            panel.plot(x, y, color="tab:red" if key == "kl" else "tab:purple")
-            panel.set_title(title_text)
-        else:
-            _empty(panel, f"no {key} logged" + (" (beta = 0)" if key == "kl" else ""))
+            ax[1].plot(x, y, style, color="tab:red" if key == "kl" else "tab:brown", ms=3, label=label)
+            drawn = True
+    if drawn:
+        ax[1].set_title("KL (nats/token)")
+        ax[1].legend(fontsize=8)
+    else:
+        _empty(ax[1], "no KL logged (monitor.drift_every = 0 and beta = 0)")
+    x, y = _xy(metrics, "entropy")
+    if x:
+        ax[2].plot(x, y, color="tab:purple")
+        ax[2].set_title("entropy (nats/token)")
+    else:
+        _empty(ax[2], "no entropy logged")
 
     x, y = _xy(metrics, "completions/mean_length")
     if x:

@@ -11,6 +11,7 @@ import html
 
 from workbench.observe import advisor, figures
 from workbench.observe.rundata import RunData
+from workbench.training.drift import KEY as DRIFT_KEY
 from workbench.training.groups import zero_spread_key
 
 
@@ -62,6 +63,10 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
             a, b = avg(first, key), avg(last, key)
             if a is not None:
                 out.append((f"{label} (first → last fifth)", f"{a:.3g} → {b:.3g}"))
+        drift = [(r["step"], r[DRIFT_KEY]) for r in rows if isinstance(r.get(DRIFT_KEY), (int, float))]
+        if drift:  # logged every monitor.drift_every steps: the newest point, and the largest so far
+            step, value = drift[-1]
+            out.append(("KL from the start (probes)", f"{value:.3g} at step {step} (max {max(v for _, v in drift):.3g})"))
         phases = [(key, f"  {label}") for key, label in figures.PHASES]
         for key, label in [("time/step", "step time (s)"), *phases, ("rollout/tokens_per_second", "rollout tokens/s"),
                            ("rollout/staleness", "rollout staleness (steps)")]:

@@ -319,6 +319,7 @@ def _ranges(recipe: Recipe) -> list[WorkbenchError]:
         _at_least("monitor.sample_interval_s", m.sample_interval_s, 0, strict=True),
         _at_least("monitor.completions_shown", m.completions_shown, 0),
         _at_least("monitor.canary_every", m.canary_every, 0, "set monitor.canary_every to N steps, or 0 to turn it off"),
+        _at_least("monitor.drift_every", m.drift_every, 0, "set monitor.drift_every to N steps, or 0 to turn it off"),
         _at_least("monitor.groups_per_step", m.groups_per_step, 0,
                   "set monitor.groups_per_step to the groups kept per step, or 0 to record none"),
         _at_least("monitor.canary_warn_gap", m.canary_warn_gap, 0, strict=True),

@@ -25,7 +25,7 @@ SECTIONS = ("model", "data", "server", "rollout", "trainer", "peft", "rewards", 
 
 
 # Bump when the tiny model's build changes in a way its settings do not show, so stale caches are not reused.
-TINY_BUILD_VERSION = 2
+TINY_BUILD_VERSION = 3  # 3: built under tinymodel.PINNED_ENV, the same weights on every x86-64 CPU with AVX2
 
 
 @dataclass
@@ -184,6 +184,9 @@ class MonitorConfig:
     canary_every: int = 10
     canary_warn_gap: float | None = None  # None: 2e-3 nats/token in float32, 0.05 in 16-bit
     canary_stop_gap: float | None = None  # None: 0.02 in float32, 0.5 in 16-bit; above it the run stops
+    # the policy's KL from its starting weights on the canary's probes (logged as drift/kl_start), whatever
+    # trainer.beta is: at the first log line, every N optimizer steps and at the last (0 = off)
+    drift_every: int = 10
 
 
 # The base-vs-trained analysis's per-problem table (workbench/evaluation/analysis.py builds it with these columns,

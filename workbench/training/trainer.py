@@ -22,6 +22,7 @@ import copy
 import time
 from pathlib import Path
 
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 
@@ -32,6 +33,7 @@ from workbench.tasks import dataset, rewards, rewardspec
 from workbench.training.canary import Canary
 from workbench.training.evalcurve import EvalCurve
 from workbench.training.config import grpo_config
+from workbench.training.drift import KEY as DRIFT_KEY, Drift
 from workbench.training.groups import GroupRecorder, group_signal
 from workbench.training.overlap import Ahead
 from workbench.training.recovery import Recovery
@@ -174,9 +176,10 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None,
                  request_timeout: float | None = None, canary: Canary | None = None,
                  recovery: Recovery | None = None, server_logprobs=None, overlap: bool = False,
-                 groups: GroupRecorder | None = None, **kwargs):
+                 groups: GroupRecorder | None = None, drift: Drift | None = None, **kwargs):
         training_args: GRPOConfig = kwargs["args"]
         self.groups = groups
+        self.drift = drift
         self._batch_completion_ids: list[list[int]] = []
         wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
         self.weight_sync = weight_sync
@@ -203,6 +206,35 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
                 step=lambda: self.state.global_step, server_logprobs=server_logprobs, overlap=overlap)
             self._last_loaded_step = -1
         self._next_batches: tuple | None = None  # (data iterator, the next optimizer step's batches): async only
+        if drift is not None:
+            self.add_callback(_DriftStart(self))
+
+    # --- the policy's KL from its starting weights (training/drift.py) ----------------------------------------
+
+    @property
+    def _sharded_params(self) -> bool:
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        return bool(self.is_fsdp_enabled or (plugin is not None and plugin.zero_stage == 3))
+
+    def _drift_start(self) -> None:
+        """Before the first step (the model prepared, a resume's checkpoint loaded): the starting distributions,
+        recorded or read back. A resumed run started without them has no start to measure from: no curve."""
+        if self.drift is None:
+            return
+        if self.state.global_step > 0 and not self.drift.train_dir.drift_reference.is_file():
+            if self.accelerator.is_main_process:
+                print("warning: no drift reference in this run (it started without one): no drift/kl_start curve",
+                      flush=True)
+            self.drift = None
+        elif self._sharded_params or self.accelerator.is_main_process:
+            self.drift.start(self.model, main=self.accelerator.is_main_process)
+
+    def _drift_log(self, logs: dict[str, float]) -> None:
+        if self.drift is None or self.drift.reference is None:  # a rank that holds no reference (see above)
+            return
+        step = self.state.global_step
+        if self.drift.due(step, last=step >= self.state.max_steps):
+            logs[DRIFT_KEY] = self.drift.measure(self.model, step)
 
     @property
     def ahead(self) -> Ahead | None:
@@ -326,6 +358,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         pushes = self.weight_sync.drain()
         if "loss" in logs:  # a training log line (not the end-of-training summary)
             logs.update(self._step_breakdown(pushes))
+            self._drift_log(logs)
             if pushes:
                 logs["sync/seconds"] = sum(s for s, _ in pushes) / len(pushes)
                 logs["sync/megabytes"] = sum(b for _, b in pushes) / len(pushes) / 1e6
@@ -345,6 +378,16 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
                 self._next_batches = None
 
 
+class _DriftStart(TrainerCallback):
+    """on_train_begin runs after the model is prepared and a resume's checkpoint loaded, before the first step."""
+
+    def __init__(self, trainer: WorkbenchGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._drift_start()
+
+
 def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: sync.WeightSync,
                   train_dir: TrainDir | None = None, recovery: Recovery | None = None, log=print
                   ) -> WorkbenchGRPOTrainer:
@@ -361,6 +404,7 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
     dtype = "auto" if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     canary = Canary.for_recipe(rr, train_dir, tokenizer, log=log) if train_dir is not None else None
+    drift = Drift.for_recipe(rr, train_dir, tokenizer) if train_dir is not None else None
     trainer = WorkbenchGRPOTrainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=dataset.to_hf_dataset(rows),
         peft_config=lora_config(rr) if recipe.lora else None,
@@ -368,7 +412,7 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
         weight_sync=weight_sync, headers=rr.headers, request_timeout=recipe.server.request_timeout_s,
         canary=canary, recovery=recovery,
         server_logprobs=lambda ids, model=None: client.sequence_logprobs(rr, ids, model=model),
-        overlap=recipe.rollout.overlapped,
+        overlap=recipe.rollout.overlapped, drift=drift,
         groups=(GroupRecorder(train_dir, recipe.monitor.groups_per_step, seed=recipe.data.seed)
                 if train_dir is not None and recipe.monitor.groups_per_step > 0 else None))
     if train_dir is not None and getattr(trainer, "vllm_generation", None) is not None:
