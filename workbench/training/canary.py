@@ -62,6 +62,26 @@ def probe_sequences(rr: Resolved, tokenizer, count: int = PROBES) -> list[list[i
     return out
 
 
+def next_token_logprobs(model, sequences: list[list[int]]) -> list:
+    """Each sequence's next-token log-probs, [length - 1, vocabulary] in float32 (row i predicts token i + 1), one
+    forward pass each with the model in eval mode; every rank must call this when the parameters are sharded (the
+    forward gathers them). The canary reads the probes' own tokens from them, the drift whole distributions."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            for ids in sequences:
+                logits = model(input_ids=torch.tensor([ids], device=device)).logits.float()[0, :-1]
+                out.append(torch.log_softmax(logits, dim=-1))
+    finally:
+        model.train(was_training)
+    return out
+
+
 class Canary:
     """Scores the probe set on both sides after a push, keeps canary.jsonl, raises CanaryAlarm on gross drift."""
 
@@ -92,19 +112,10 @@ class Canary:
         parameters are sharded (the forward gathers them)."""
         import torch
 
-        was_training = model.training
-        model.eval()
         out = []
-        try:
-            device = next(model.parameters()).device
-            with torch.no_grad():
-                for ids in self.sequences:
-                    tensor = torch.tensor([ids], device=device)
-                    logits = model(input_ids=tensor).logits.float()[0, :-1]
-                    logp = torch.log_softmax(logits, dim=-1).gather(1, tensor[0, 1:, None])[:, 0]
-                    out.append(logp.cpu().tolist())
-        finally:
-            model.train(was_training)
+        for ids, logp in zip(self.sequences, next_token_logprobs(model, self.sequences)):
+            taken = torch.tensor(ids[1:], device=logp.device)[:, None]
+            out.append(logp.gather(1, taken)[:, 0].cpu().tolist())
         return out
 
     def compare(self, step: int, trainer: list[list[float]], server: list[list[float]], seconds: float,

@@ -21,7 +21,7 @@ import os
 
 from workbench.recipe import Resolved
 from workbench.rundir import TrainDir
-from workbench.training.canary import probe_sequences
+from workbench.training.canary import next_token_logprobs, probe_sequences
 
 KEY = "drift/kl_start"
 
@@ -66,19 +66,10 @@ class Drift:
         sharded: the forward gathers them)."""
         import torch
 
-        was_training = model.training
-        model.eval()
-        rows = []
-        try:
-            device = next(model.parameters()).device
-            with torch.no_grad():
-                for ids, start in zip(self.sequences, self.starts):
-                    logits = model(input_ids=torch.tensor([ids], device=device)).logits.float()[0]
-                    # the distribution that predicts token i sits at position i - 1
-                    rows.append(torch.log_softmax(logits[start - 1:len(ids) - 1], dim=-1).cpu())
-        finally:
-            model.train(was_training)
-        return torch.cat(rows)
+        rows = next_token_logprobs(model, self.sequences)
+        # row i - 1 is the distribution that predicts token i: an answer starting at token `start` has its rows from
+        # start - 1 on
+        return torch.cat([r[start - 1:].cpu() for r, start in zip(rows, self.starts)])
 
     def start(self, model, main: bool = True) -> None:
         """Record the starting distributions (a new run), or read them back (a resumed one)."""
