@@ -89,3 +89,25 @@ def test_the_advisor_reads_the_drift_against_the_reward(rewards, drift, rule):
 def test_a_negative_drift_period_is_refused_at_load():
     with pytest.raises(WorkbenchError, match="monitor.drift_every is -1"):
         recipe.load("smoke", ["monitor.drift_every=-1"])
+
+
+def test_a_point_at_the_first_log_line_past_each_multiple_whatever_the_logging_period(tmp_path):
+    """logging_steps 4, drift_every 10: the points fall at the first log line at or after 10, 20, 30, ..."""
+    from workbench.rundir import TrainDir
+    from workbench.training.drift import Drift
+
+    drift = Drift(TrainDir(tmp_path), [[1, 2, 3]], [1], every=10)
+    points = []
+    for step in range(4, 45, 4):
+        if drift.due(step, last=step == 44):
+            points.append(step)
+            drift.last_step = step
+    assert points == [4, 12, 20, 32, 40, 44]
+    import torch
+
+    assert drift.plan(0) == "record" and drift.plan(8) == "off"  # a resume without a reference: no curve
+    torch.save(torch.zeros(5, 7), drift.train_dir.drift_reference)  # another recipe's probes
+    assert drift.plan(8) == "off" and drift.reference is None
+    torch.save(torch.zeros(2, 7), drift.train_dir.drift_reference)  # these probes' two answer rows
+    assert drift.plan(8) == "read" and drift.reference.shape == (2, 7)
+    assert drift.plan(0) == "record"  # a new run into a directory holding an older reference records its own

@@ -67,7 +67,7 @@ def test_default_tiny_model_follows_format_but_is_often_wrong(tiny_model_dir):
     assert 0.30 <= held["accuracy"] <= 0.70, held["accuracy"]  # room for GRPO either way
     assert held["format_rate"] >= 0.9
     assert 1.0e6 < info["parameters"] < 1.6e6
-    assert info["seconds"]["total"] < 180
+    assert info["seconds"]["total"] < 300  # one thread, beside the weaker build: 141 s on the 2-core box
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     # the weights of the recorded reference build of these settings (tinymodel.REFERENCE; CI builds on its own CPU): the

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import random
 import shutil
 import time
@@ -181,7 +182,8 @@ PINNED_ENV = {
     "ATEN_CPU_CAPABILITY": "default",  # torch's own kernels (norms, softmax, the optimizer): the baseline build
     "MKL_CBWR": "AVX2,STRICT",  # MKL's matrix products: its AVX2 path on every CPU, whatever the memory alignment
     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",  # one thread: no sum whose order follows the core count
-    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX",  # libm's baseline exp/log, not its FMA variants
+    # libm's baseline exp/log, not its FMA variants (these feature names are glibc 2.33's and later's)
+    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX",
 }
 
 # Reference builds, by settings key (the cache directory's name): the weights' digest (weights_digest) and what they
@@ -245,6 +247,7 @@ def _build(spec: dict, into: Path, log=print) -> None:
         "weights_sha256": weights_digest(model),
         "pinned": {k: os.environ.get(k) for k in PINNED_ENV},
         "torch": torch.__version__,
+        "glibc": platform.libc_ver()[1],  # its libm's variants are masked by name: glibc 2.33 or newer
         "seconds": {"pretrain": round(pretrain_s, 1), "eval": round(eval_s, 1),
                     "total": round(time.time() - started, 1)},
         "torch_threads": torch.get_num_threads(),
@@ -295,8 +298,11 @@ def ensure(recipe: Recipe, root: Path | None = None, force: bool = False, log=pr
             "validation_size": d.validation_size}
     cmd = [sys.executable, "-m", "workbench.tinymodel", "--pinned-build", json.dumps(spec), "--into", str(tmp)]
     tail: deque[str] = deque(maxlen=20)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **PINNED_ENV}, preexec_fn=_die_with_parent)
+    env = {**os.environ, **PINNED_ENV}
+    if os.environ.get("GLIBC_TUNABLES"):  # the caller's own tunables kept (colon-separated), the mask after them
+        env["GLIBC_TUNABLES"] = f"{os.environ['GLIBC_TUNABLES']}:{PINNED_ENV['GLIBC_TUNABLES']}"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=_die_with_parent)
     try:
         for line in proc.stdout:
             tail.append(line.rstrip())

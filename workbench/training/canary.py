@@ -62,24 +62,24 @@ def probe_sequences(rr: Resolved, tokenizer, count: int = PROBES) -> list[list[i
     return out
 
 
-def next_token_logprobs(model, sequences: list[list[int]]) -> list:
+def next_token_logprobs(model, sequences: list[list[int]]):
     """Each sequence's next-token log-probs, [length - 1, vocabulary] in float32 (row i predicts token i + 1), one
-    forward pass each with the model in eval mode; every rank must call this when the parameters are sharded (the
-    forward gathers them). The canary reads the probes' own tokens from them, the drift whole distributions."""
+    forward pass at a time with the model in eval mode, yielded on the model's device (a caller keeps what it needs
+    before the next: a whole vocabulary per position is large); every rank must consume it all when the parameters
+    are sharded (the forward gathers them). The canary reads the probes' own tokens, the drift whole distributions."""
     import torch
 
     was_training = model.training
     model.eval()
-    out = []
     try:
         device = next(model.parameters()).device
-        with torch.no_grad():
-            for ids in sequences:
+        for ids in sequences:
+            with torch.no_grad():
                 logits = model(input_ids=torch.tensor([ids], device=device)).logits.float()[0, :-1]
-                out.append(torch.log_softmax(logits, dim=-1))
+                logp = torch.log_softmax(logits, dim=-1)
+            yield logp
     finally:
         model.train(was_training)
-    return out
 
 
 class Canary:

@@ -218,23 +218,34 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
 
     def _drift_start(self) -> None:
         """Before the first step (the model prepared, a resume's checkpoint loaded): the starting distributions,
-        recorded or read back. A resumed run started without them has no start to measure from: no curve."""
+        recorded or read back. The main rank decides from its own run directory and every rank follows: under
+        sharded parameters each rank must join every probe forward, and another node may not see that directory."""
+        from accelerate.utils import broadcast_object_list
+
         if self.drift is None:
             return
-        if self.state.global_step > 0 and not self.drift.train_dir.drift_reference.is_file():
-            if self.accelerator.is_main_process:
-                print("warning: no drift reference in this run (it started without one): no drift/kl_start curve",
-                      flush=True)
+        main = self.accelerator.is_main_process
+        plan = [self.drift.plan(self.state.global_step) if main else None]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(plan)
+        if plan[0] == "off":
+            if main:
+                print("warning: no usable drift reference in this run (it started without one, or with other "
+                      "probes): no drift/kl_start curve", flush=True)
             self.drift = None
-        elif self._sharded_params or self.accelerator.is_main_process:
-            self.drift.start(self.model, main=self.accelerator.is_main_process)
+        elif not (self._sharded_params or main):
+            self.drift = None  # the main rank runs the probes alone
+        elif plan[0] == "record":
+            self.drift.record(self.model, main=main)
 
     def _drift_log(self, logs: dict[str, float]) -> None:
-        if self.drift is None or self.drift.reference is None:  # a rank that holds no reference (see above)
+        if self.drift is None:
             return
         step = self.state.global_step
         if self.drift.due(step, last=step >= self.state.max_steps):
-            logs[DRIFT_KEY] = self.drift.measure(self.model, step)
+            value = self.drift.measure(self.model, step)  # every forward rank, at the same steps
+            if value is not None:
+                logs[DRIFT_KEY] = value
 
     @property
     def ahead(self) -> Ahead | None:
