@@ -23,7 +23,7 @@ class WorkbenchError(Exception):
 
 # SIGTERM ends a workbench process the way Ctrl-C does, through its cleanup. `kill PID`, a scheduler's stop (Slurm and
 # Kubernetes send SIGTERM before SIGKILL) and a parent's death (the children's PR_SET_PDEATHSIG,
-# serving/server.child_setup) all send it, and its default action ends Python at once: no `finally`, so a training's
+# die_with_parent) all send it, and its default action ends Python at once: no `finally`, so a training's
 # RAM-disk adapter or weight files, its trainer processes, a protocol's trainings and the server a command owns
 # would be left behind. Every entry point (the CLI, each trainer rank) calls exit_on_sigterm().
 TERMINATED = 128 + signal.SIGTERM  # the shell's status for a process ended by SIGTERM
@@ -39,3 +39,14 @@ def exit_on_sigterm() -> None:
     runs every cleanup (a no-op off the main thread)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit)
+
+
+def die_with_parent() -> None:
+    """In a child, before exec (a Popen preexec_fn): SIGTERM when the parent dies (PR_SET_PDEATHSIG; Linux only,
+    a no-op elsewhere)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass

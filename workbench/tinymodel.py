@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from workbench import recipe as recipes
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, die_with_parent
 from workbench.recipe.resolve import model_dir  # where a tiny model lives is part of the resolution
 from workbench.recipe.schema import TINY_BUILD_VERSION, Recipe, TinyModelConfig
 from workbench.tasks import arithmetic, rewards
@@ -257,16 +257,6 @@ def _build(spec: dict, into: Path, log=print) -> None:
     (into / INFO_FILE).write_text(json.dumps(info, indent=2))
 
 
-def _die_with_parent() -> None:  # runs in the child before exec
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def ensure(recipe: Recipe, root: Path | None = None, force: bool = False, log=print) -> Path:
     """Build the recipe's tiny model unless an identical one is cached; return its directory. The build runs in a
     child process under PINNED_ENV and is checked against REFERENCE."""
@@ -301,31 +291,32 @@ def ensure(recipe: Recipe, root: Path | None = None, force: bool = False, log=pr
     env = {**os.environ, **PINNED_ENV}
     if os.environ.get("GLIBC_TUNABLES"):  # the caller's own tunables kept (colon-separated), the mask after them
         env["GLIBC_TUNABLES"] = f"{os.environ['GLIBC_TUNABLES']}:{PINNED_ENV['GLIBC_TUNABLES']}"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            preexec_fn=_die_with_parent)
     try:
-        for line in proc.stdout:
-            tail.append(line.rstrip())
-            if line.startswith("  "):  # the build's progress lines; warnings stay in the tail for a failure
-                log(line.rstrip())
-        code = proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                preexec_fn=die_with_parent)
+        try:
+            for line in proc.stdout:
+                tail.append(line.rstrip())
+                if line.startswith("  "):  # the build's progress lines; warnings stay in the tail for a failure
+                    log(line.rstrip())
+        finally:
+            if proc.poll() is None:
+                proc.kill()
             proc.wait()
         if proc.returncode:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if code:
-        raise WorkbenchError(f"building the tiny model failed (exit {code}):\n" + "\n".join(tail),
-                             "fix the cause above and run `workbench tiny-model` again")
-    info = json.loads((tmp / INFO_FILE).read_text())
-    reference = REFERENCE.get(target.name)
-    if reference is not None:
-        info["reference"] = {**reference, "matches": info["weights_sha256"] == reference["weights_sha256"]}
-        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+            raise WorkbenchError(f"building the tiny model failed (exit {proc.returncode}):\n" + "\n".join(tail),
+                                 "fix the cause above and run `workbench tiny-model` again")
+        info = json.loads((tmp / INFO_FILE).read_text())
+        reference = REFERENCE.get(target.name)
+        if reference is not None:
+            info["reference"] = {**reference, "matches": info["weights_sha256"] == reference["weights_sha256"]}
+            (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:  # a failed or interrupted build leaves nothing half-made beside the cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     heldout = info["heldout"]
     log(f"tiny model built in {info['seconds']['total']:.0f} s: held-out accuracy {heldout['accuracy']:.1%} "
         f"(format {heldout['format_rate']:.1%}) on {heldout['n']} problems")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import queue
@@ -45,7 +44,7 @@ from pathlib import Path
 
 import requests
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, die_with_parent
 from workbench.recipe import Resolved
 from workbench.rundir import kept_server_log, loose_server_logs, server_log, server_restart_files, write_atomic
 from workbench.serving import client, launch, shm
@@ -59,11 +58,7 @@ def child_setup(cores: list[int] | None = None):
 
     def setup() -> None:
         os.setsid()
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+        die_with_parent()
         if cores:
             os.sched_setaffinity(0, cores)
 
