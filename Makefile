@@ -45,8 +45,13 @@ contract-env: $(CONTRACT_ENV)
 $(CONTRACT_ENV): tests/contract/contract_venv.py | $(STAMP)
 	$(PY) tests/contract/contract_venv.py
 
+# two workers: a server start or a training leaves a core idle (imports and the trainer's steps are one thread, a
+# synchronous step alternates server and trainer); the tests that share a server or a run go to one worker together
+# (tests/harness.py, group_by_shared). TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(CONTRACT_ENV)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not heavy"

@@ -50,10 +50,21 @@ HEAVY_FIXTURES = {"lora_pair", "tiny_server", "smoke_run", "grouped_run", "kille
                   "bench_run", "two_rank_run", "shared_owner", "contract_servers", "row_python"}
 
 
+# Under `make test` (`pytest -n 2 --dist loadgroup`) each worker builds the shared fixtures its tests ask for. The
+# tests sharing one of these go to one worker together, so it is built once. Not among them: the tiny models (built
+# once per checkout on disk: a second worker waits for the first one's build and reuses it), and the session's
+# server and smoke run, which every worker may start (a start and 3 steps, about 90 s beside the other worker)
+# rather than tie the 60-odd tests that read them, and the runs read with them, to one worker.
+ONE_WORKER = set(FIXTURE_BUDGETS) - {"tiny_model_dir", "weaker_model_dir", "row_python",
+                                     "tiny_server", "smoke_run", "grouped_run"}
+
+
+@pytest.hookimpl(tryfirst=True)  # the groups are set before pytest-xdist reads them
 def pytest_collection_modifyitems(session, config, items) -> None:
-    from harness import add_time_limits
+    from harness import add_time_limits, group_by_shared
 
     add_time_limits(items, FIXTURE_BUDGETS, HEAVY_FIXTURES, default=float(config.getini("timeout") or 120))
+    group_by_shared(items, ONE_WORKER)
 
 
 def chromium() -> str:
@@ -86,25 +97,30 @@ WEAKER = ["model.tiny.pretrain_steps=200", "model.tiny.eval_size=0"]  # weaker_m
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(cpu_recipe):
+def tiny_model_dir(cpu_recipe, request):
     """The cpu-tiny model, built for real (about 140 s the first time, reused after). A build runs on one thread
-    (tinymodel.PINNED_ENV): the weaker model (weaker_model_dir) is built at the same time in a second process, so
-    on two cores the pair costs one build's time."""
+    (tinymodel.PINNED_ENV): the weaker model (weaker_model_dir) is built at the same time in a second process when
+    a test of the session will ask for it, so on two cores the pair costs one build's time."""
     import subprocess
 
     from workbench import recipe, tinymodel
 
     weaker = None
-    if not (tinymodel.model_dir(recipe.load("cpu-tiny", WEAKER)) / tinymodel.INFO_FILE).is_file():
+    wanted = any("weaker_model_dir" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    if wanted and not (tinymodel.model_dir(recipe.load("cpu-tiny", WEAKER)) / tinymodel.INFO_FILE).is_file():
         weaker = subprocess.Popen([sys.executable, "-m", "workbench.tinymodel", "--recipe", "cpu-tiny", *WEAKER],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _WEAKER_BUILD.append(weaker)
     try:
         yield tinymodel.ensure(cpu_recipe, log=lambda *_: None)
     finally:
-        if weaker is not None and weaker.poll() is None:  # a session that never asked for the weaker model
-            weaker.kill()
-            weaker.wait()
+        if weaker is not None and weaker.poll() is None:  # a session that never got to the weaker model
+            weaker.terminate()  # SIGTERM: the build removes its temporary directory and ends its child
+            try:
+                weaker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                weaker.kill()
+                weaker.wait()
 
 
 _WEAKER_BUILD: list = []  # the background build tiny_model_dir started (None: cached), for weaker_model_dir
@@ -269,6 +285,28 @@ class KilledRun:
     hung: int  # the pid of its replacement, SIGSTOPped at step 7 (a hang)
     reached: int  # the last step logged before the trainer's SIGKILL
     checkpoint: int  # the newest complete checkpoint then: where the resume continues
+    killed: set[int]  # the SIGKILLed `workbench train` and every process under it then
+
+
+def tree(pid: int | None = None) -> set[int]:
+    """A process and every process under it (this one's by default)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return {root.pid} | {p.pid for p in root.children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def sync_dirs_of(pids: set[int]) -> set[str]:
+    """The RAM-disk weight directories (workbench-sync-<pid>-*) that these processes made: a test's own, not
+    another test worker's running or killed run's."""
+    from workbench.serving.sync import SYNC_PREFIX
+
+    shm = Path("/dev/shm")
+    names = {p.name for p in shm.glob(f"{SYNC_PREFIX}*")} if shm.is_dir() else set()
+    return {n for n in names if n[len(SYNC_PREFIX):].split("-", 1)[0] in {str(p) for p in pids}}
 
 
 def _server_of(pid: int):
@@ -320,6 +358,7 @@ def killed_run(tmp_path_factory, tiny_model_dir) -> KilledRun:
                  400, proc, "step 9 past the checkpoint at step 8", log)
         server = _server_of(proc.pid)
         pgid = os.getpgid(server.pid)  # the third server's group: started with setsid, its processes share it
+        killed = tree(proc.pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -334,13 +373,13 @@ def killed_run(tmp_path_factory, tiny_model_dir) -> KilledRun:
     reached = max(steps_logged(run_dir / "train"))
     checkpoint = max(int(p.parent.name.rsplit("-", 1)[1])
                      for p in (run_dir / "train" / "checkpoints").glob("checkpoint-*/trainer_state.json"))
-    killed = Path(shutil.copytree(run_dir, root / "as-killed" / run_dir.name,
-                                  ignore=shutil.ignore_patterns("checkpoints", "final")))
+    as_killed = Path(shutil.copytree(run_dir, root / "as-killed" / run_dir.name,
+                                     ignore=shutil.ignore_patterns("checkpoints", "final")))
     out = subprocess.run([*workbench_command(), "train", "--resume", str(run_dir)], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((run_dir / "train" / "train.json").read_text())["steps"] == 14
-    return KilledRun(RunDir(killed), RunDir(run_dir), crashed, hung, reached, checkpoint)
+    return KilledRun(RunDir(as_killed), RunDir(run_dir), crashed, hung, reached, checkpoint, killed)
 
 
 @pytest.fixture(scope="session")

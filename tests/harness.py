@@ -239,11 +239,20 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     global _AUDIT
     config.addinivalue_line("markers", "heavy: starts a vLLM server or engine, or trains (left out by make test-fast)")
-    if config.getoption("--order-seed") is None:
+    worker = getattr(config, "workerinput", None)  # a pytest-xdist worker: its controller chose the seed
+    if worker is not None and "order_seed" in worker:
+        config.option.order_seed = worker["order_seed"]
+    elif config.getoption("--order-seed") is None:
         config.option.order_seed = random.randrange(1 << 16)
-    if not config.getoption("--no-leak-audit"):
+    controller = worker is None and getattr(config.option, "numprocesses", None)  # runs no test itself
+    if not config.getoption("--no-leak-audit") and not controller:
         _subreaper()
         _AUDIT = Audit()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's: every worker collects the same order, so it gets the seed
+def pytest_configure_node(node) -> None:
+    node.workerinput["order_seed"] = node.config.option.order_seed
 
 
 def pytest_report_header(config) -> str:
@@ -294,6 +303,33 @@ def add_time_limits(items, budgets: dict[str, float], heavy: set[str], default: 
             item.add_marker(pytest.mark.timeout(base + extra), append=False)
         if names & heavy:
             item.add_marker(pytest.mark.heavy)
+
+
+def group_by_shared(items, shared: set[str]) -> None:
+    """Mark the tests that share an expensive fixture, directly or through a chain of tests (one uses A and B,
+    another B and C), with one `xdist_group`: pytest-xdist's loadgroup runs a group on one worker, so a shared
+    server or run is built once. Tests that share none are spread over the workers one by one."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    uses = [sorted(shared & set(getattr(item, "fixturenames", ()))) for item in items]
+    for names in uses:
+        for other in names:
+            parent[root(other)] = root(names[0])
+    users: dict[str, int] = {}
+    for names in uses:
+        for name in names:
+            users[name] = users.get(name, 0) + 1
+    label: dict[str, str] = {}  # a group's name: its most used fixture (ties: the first by name), stable
+    for name in sorted(parent, key=lambda n: (-users.get(n, 0), n)):
+        label.setdefault(root(name), name)
+    for item, names in zip(items, uses):
+        if names:
+            item.add_marker(pytest.mark.xdist_group(label[root(names[0])]))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import KEYED, SERVER_KEY_ENV, VENV_BIN, free_port
+from conftest import KEYED, SERVER_KEY_ENV, VENV_BIN, free_port, sync_dirs_of, tree
 from workbench import recipe
 from workbench.errors import WorkbenchError
 from workbench.records import read_jsonl
@@ -50,7 +50,7 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
     runs0, runs1 = runs / "node0", runs / "node1"
     port = free_port()
     before = _server_processes(port)
-    sync_dirs = set(Path("/dev/shm").glob("workbench-sync-*"))
+    ours: set[int] = set()  # every process of the two nodes (their RAM-disk copies must go with them)
     seen: set[int] = set()
     keys: dict[int, str | None] = {}
     at_once: list[int] = []
@@ -65,6 +65,7 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
             if not node1 and copy is not None:  # what a user copies to the other node and starts there
                 node1.append(subprocess.Popen([*WORKBENCH, "train", "--recipe", str(copy), "distributed.node_rank=1",
                                                f"monitor.runs_dir={runs1}"], stdout=log1, stderr=subprocess.STDOUT))
+            ours.update(tree())
             now = _server_processes(port) - before
             for pid in now - seen:  # the key each server was started with (it guards the OpenAI routes)
                 try:
@@ -101,7 +102,7 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + node1_log
     assert code1 == 0, node1_log
     # the reload adapter's copy of the weights in RAM went with the run
-    assert set(Path("/dev/shm").glob("workbench-sync-*")) <= sync_dirs
+    assert ours and not sync_dirs_of(ours - {os.getpid()})
     (run_dir,) = runs0.iterdir()
     (other,) = runs1.iterdir()
     assert set(keys) == seen and set(keys.values()) == {os.environ[SERVER_KEY_ENV]}, "a server started without the key"

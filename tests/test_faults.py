@@ -9,22 +9,19 @@ is a training in this process attached to the session's server.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import FAST, KEYED, steps_logged, workbench_command
+from conftest import FAST, KEYED, steps_logged, sync_dirs_of, workbench_command
 from workbench.records import read_jsonl
 from workbench.rundir import RunDir
 
 _cmd = workbench_command
 _steps = steps_logged
-
-
-def _sync_dirs() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("workbench-sync-*")} if Path("/dev/shm").is_dir() else set()
 
 
 def _no_sync_gap(train_dir: Path, base: Path) -> float:
@@ -82,15 +79,10 @@ def test_trainer_sigkilled_then_resumed_has_every_step_once(killed_run):
     (resume,) = [e for e in read_jsonl(train_dir / "events.jsonl", normalised=False) if e["kind"] == "resume"]
     assert resume["step"] == summary["resumed_from"] and resume["reached"] == reached
     assert (train_dir / "final" / "model.safetensors").exists()
-    assert not [p for p in _sync_dirs() if not _alive_owner(p)]  # the killed run's copy is gone too
+    assert killed_run.killed and not sync_dirs_of(killed_run.killed)  # the killed trainer's copy is gone too
     report = subprocess.run([*_cmd(), "report", str(run.path)], capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
     assert "resumed from checkpoint" in (run.path / "report.html").read_text()
-
-
-def _alive_owner(name: str) -> bool:
-    pid = name.removeprefix("workbench-sync-").split("-", 1)[0]
-    return pid.isdigit() and psutil.pid_exists(int(pid))
 
 
 @pytest.mark.heavy
@@ -115,7 +107,7 @@ def test_canary_stops_a_run_whose_sync_stops(tmp_path, restored_server, monkeypa
             return super().send(client, metadata, named_params)
 
     monkeypatch.setattr(sync, "make", lambda rr, **_: Stale())
-    before = _sync_dirs()
+    before = sync_dirs_of({os.getpid()})  # the training runs in this process
     r = recipe.load("smoke", ["server.mode=attach", f"server.url={restored_server.url}", *KEYED, f"monitor.runs_dir={tmp_path}",
                               "trainer.max_steps=20", "trainer.save_steps=100", *FAST])
     run = RunDir.create(r, "train")
@@ -129,4 +121,4 @@ def test_canary_stops_a_run_whose_sync_stops(tmp_path, restored_server, monkeypa
     kinds = [e["kind"] for e in read_jsonl(run.train.events, normalised=False)]
     assert "canary_stop" in kinds and "failure" in kinds
     assert (run.train.checkpoints / f"checkpoint-{stopped_at}" / "trainer_state.json").exists()  # resumable
-    assert _sync_dirs() <= before  # the crashed run's weights copy is gone
+    assert sync_dirs_of({os.getpid()}) <= before  # the crashed run's weights copy is gone

@@ -55,7 +55,28 @@ def test_same_settings_reuse_the_cache(tmp_path):
     assert time.time() - t0 < 2
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert "reused" in lines[0]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written build left behind
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # no half-written build left behind
+
+
+def test_two_processes_asking_at_once_build_once(tmp_path):
+    """Two processes that need the same tiny model at the same time (two notebooks, two test workers): one builds
+    it, the other waits and reuses that build (a second build would replace the directory under the first one's
+    readers)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from workbench import recipe, tinymodel; "
+            f"tinymodel.ensure(recipe.load('cpu-tiny', {SMALL!r}), root=__import__('pathlib').Path(sys.argv[1]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    said = sorted("building" if "building tiny model" in out else "reused" if "tiny model reused" in out else out
+                  for out in outs)
+    assert said == ["building", "reused"], outs
+    (built,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert tinymodel.info(built)["weights_sha256"]
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
 def test_default_tiny_model_follows_format_but_is_often_wrong(tiny_model_dir):

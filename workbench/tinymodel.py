@@ -16,6 +16,7 @@ data/tiny-model/<settings-hash>/ (see workbench.paths) and reused when the setti
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from workbench import recipe as recipes
-from workbench.errors import WorkbenchError, die_with_parent
+from workbench.errors import WorkbenchError, die_with_parent, exit_on_sigterm
 from workbench.recipe.resolve import model_dir  # where a tiny model lives is part of the resolution
 from workbench.recipe.schema import TINY_BUILD_VERSION, Recipe, TinyModelConfig
 from workbench.tasks import arithmetic, rewards
@@ -260,27 +261,41 @@ def _build(spec: dict, into: Path, log=print) -> None:
 def ensure(recipe: Recipe, root: Path | None = None, force: bool = False, log=print) -> Path:
     """Build the recipe's tiny model unless an identical one is cached; return its directory. The build runs in a
     child process under PINNED_ENV and is checked against REFERENCE."""
-    import subprocess
-    import sys
-    from collections import deque
-
     if recipe.model.tiny.lr_schedule not in ("cosine", "constant"):
         raise WorkbenchError(f"model.tiny.lr_schedule is {recipe.model.tiny.lr_schedule!r}",
                              "use cosine or constant")
     target = model_dir(recipe, root)
-    info_path = target / INFO_FILE
-    if info_path.is_file() and not force:
-        info = json.loads(info_path.read_text())
-        log(f"tiny model reused: {target} (held-out accuracy {info['heldout']['accuracy']:.1%}, "
-            f"format {info['heldout']['format_rate']:.1%})")
-        return target
+    if (target / INFO_FILE).is_file() and not force:
+        return _reused(target, log)
     tiny, d = recipe.model.tiny, recipe.data
     if tiny.eval_size > d.heldout_size:
         raise WorkbenchError(f"model.tiny.eval_size={tiny.eval_size} exceeds data.heldout_size={d.heldout_size}",
                              "lower model.tiny.eval_size or raise data.heldout_size")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time per model: a second process asking for it (two notebooks, two test workers) waits and
+    # reuses it, instead of building it again and replacing the directory under the first one's readers.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / INFO_FILE).is_file() and not force:
+            return _reused(target, log)
+        return _build_into(target, recipe, log)
+
+
+def _reused(target: Path, log) -> Path:
+    info = json.loads((target / INFO_FILE).read_text())
+    log(f"tiny model reused: {target} (held-out accuracy {info['heldout']['accuracy']:.1%}, "
+        f"format {info['heldout']['format_rate']:.1%})")
+    return target
+
+
+def _build_into(target: Path, recipe: Recipe, log) -> Path:
+    import subprocess
+    import sys
+    from collections import deque
+
+    tiny, d = recipe.model.tiny, recipe.data
     log(f"building tiny model -> {target}")
     # Built next to the target and renamed: a crash never leaves a half-written model that looks cached.
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -363,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.pinned_build:
         _build(json.loads(args.pinned_build), Path(args.into), log=lambda line: print(line, flush=True))
         return
+    exit_on_sigterm()  # a stopped build removes its temporary directory and ends its child
     r = recipes.load(args.recipe, overrides)
     print(ensure(r, force=args.force))
 
