@@ -15,6 +15,10 @@ appeared while a test ran and are still there after a grace period fail that tes
 (in its set-up, or later through `keep()`: a shared server that a test restarts) is that fixture's: checked when it
 ends, and everything once more when the session ends. The pytest process is made a child subreaper, so a process
 orphaned by its parent's death stays in the tree where the audit sees it instead of going to init.
+Beside other workers (pytest-xdist, `make test` runs two), a /dev/shm name cannot be traced to a worker: a named
+semaphore is held by name, no process maps it once its maker ended, and the other worker's resource tracker may
+unlink it later. So a worker checks processes and ports per test and fixture and leaves /dev/shm to the
+controller, which compares the directory before the first worker started with after the last one ended.
 
 Heavy: a test that starts a vLLM server or engine, trains, or uses a fixture that does (HEAVY_FIXTURES in
 conftest.py) is marked `heavy`; `make test-fast` leaves those out. A test not marked heavy that starts a vLLM
@@ -35,7 +39,10 @@ import pytest
 
 SHM = Path("/dev/shm")
 SHM_PREFIXES = ("workbench-sync-", "psm_", "sem.")
-GRACE_S = 15.0  # a server's group ends a few seconds after its SIGTERM; a test's own children as well
+_BESIDE_OTHERS = False  # a pytest-xdist worker with siblings: /dev/shm is the controller's to check (see above)
+# a server's group ends a few seconds after its SIGTERM; a test's own children as well (the suite's own tests of
+# the audit set it shorter)
+GRACE_S = float(os.environ.get("WORKBENCH_LEAK_GRACE_S", "15"))
 # Long-lived helpers that a library starts once in the pytest process itself and that end with it: not a test's leak.
 BENIGN = ("multiprocessing.resource_tracker", "torch._inductor.compile_worker")
 VLLM_MARKS = ("vllm", "VLLM::")
@@ -127,7 +134,7 @@ def _reap_orphans(zombies: list[psutil.Process]) -> None:
 
 
 def snapshot() -> Resources:
-    shm = {p.name for p in SHM.iterdir() if p.name.startswith(SHM_PREFIXES)} if SHM.is_dir() else set()
+    shm = _shm_names() if not _BESIDE_OTHERS else set()
     procs, pids = set(), {os.getpid()}
     zombies = []
     for p in _descendants():
@@ -209,6 +216,11 @@ class Audit:
 
 
 _AUDIT: Audit | None = None
+_SHM_BEFORE: set[str] | None = None  # the xdist controller's: /dev/shm before any worker started
+
+
+def _shm_names() -> set[str]:
+    return {p.name for p in SHM.iterdir() if p.name.startswith(SHM_PREFIXES)} if SHM.is_dir() else set()
 
 
 def keep(name: str, live: Callable[[], set[int] | list[int]]) -> None:
@@ -237,7 +249,7 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_configure(config) -> None:
-    global _AUDIT
+    global _AUDIT, _BESIDE_OTHERS, _SHM_BEFORE
     config.addinivalue_line("markers", "heavy: starts a vLLM server or engine, or trains (left out by make test-fast)")
     worker = getattr(config, "workerinput", None)  # a pytest-xdist worker: its controller chose the seed
     if worker is not None and "order_seed" in worker:
@@ -245,9 +257,14 @@ def pytest_configure(config) -> None:
     elif config.getoption("--order-seed") is None:
         config.option.order_seed = random.randrange(1 << 16)
     controller = worker is None and getattr(config.option, "numprocesses", None)  # runs no test itself
-    if not config.getoption("--no-leak-audit") and not controller:
-        _subreaper()
-        _AUDIT = Audit()
+    if config.getoption("--no-leak-audit"):
+        return
+    if controller:
+        _SHM_BEFORE = _shm_names()
+        return
+    _BESIDE_OTHERS = worker is not None and int(worker.get("workercount", 1)) > 1
+    _subreaper()
+    _AUDIT = Audit()
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's: every worker collects the same order, so it gets the seed
@@ -305,10 +322,17 @@ def add_time_limits(items, budgets: dict[str, float], heavy: set[str], default: 
             item.add_marker(pytest.mark.heavy)
 
 
+def _module_scoped(item) -> set[str]:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs if info is not None else {}
+    return {name for name, d in defs.items() if d and d[-1].scope == "module"}
+
+
 def group_by_shared(items, shared: set[str]) -> None:
-    """Mark the tests that share an expensive fixture, directly or through a chain of tests (one uses A and B,
-    another B and C), with one `xdist_group`: pytest-xdist's loadgroup runs a group on one worker, so a shared
-    server or run is built once. Tests that share none are spread over the workers one by one."""
+    """Mark the tests that share an expensive fixture (one of `shared`, or any module-scoped one), directly or
+    through a chain of tests (one uses A and B, another B and C), with one `xdist_group`: pytest-xdist's loadgroup
+    runs a group on one worker, so a shared server or run is built once. Tests that share none are spread over the
+    workers one by one."""
     parent: dict[str, str] = {}
 
     def root(name: str) -> str:
@@ -316,7 +340,7 @@ def group_by_shared(items, shared: set[str]) -> None:
             name = parent[name]
         return name
 
-    uses = [sorted(shared & set(getattr(item, "fixturenames", ()))) for item in items]
+    uses = [sorted((shared | _module_scoped(item)) & set(getattr(item, "fixturenames", ()))) for item in items]
     for names in uses:
         for other in names:
             parent[root(other)] = root(names[0])
@@ -441,6 +465,16 @@ def pytest_runtest_teardown(item, nextitem):
     return result
 
 
+def _shm_left_since(before: set[str], grace: float = GRACE_S) -> Resources:
+    deadline = time.time() + grace
+    while True:
+        left = _shm_names() - before
+        left -= _others_files(left)  # a run in another terminal
+        if not left or time.time() >= deadline:
+            return Resources(shm=left)
+        time.sleep(0.5)
+
+
 def _clean(left: Resources) -> None:
     for proc in left.procs:
         try:
@@ -461,13 +495,17 @@ def _clean(left: Resources) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    if _AUDIT is None:
+    if _SHM_BEFORE is not None:  # the controller, every worker ended: what they left in /dev/shm
+        left = _shm_left_since(_SHM_BEFORE)
+    elif _AUDIT is not None:
+        left = _AUDIT.left_since(_AUDIT.start)
+    else:
         return
-    left = _AUDIT.left_since(_AUDIT.start)
     if left:
         _clean(left)
         reporter = session.config.pluginmanager.getplugin("terminalreporter")
-        message = f"the session left behind (after every fixture ended):\n  {left.describe()}"
+        when = "every worker" if _SHM_BEFORE is not None else "every fixture"
+        message = f"the session left behind (after {when} ended):\n  {left.describe()}"
         if reporter is not None:
             reporter.write_line(message, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,5 +1,11 @@
-"""The suite's own machinery (tests/harness.py): how `make test` spreads the tests over its workers."""
+"""The suite's own machinery (tests/harness.py): how `make test` spreads the tests over its workers, and the leak
+audit (what a test leaves behind fails it; beside other workers, /dev/shm fails the session)."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +42,64 @@ def test_group_names_do_not_follow_the_collection_order(order):
     items = [pair[i] for i in order]
     group_by_shared(items, {"run_a", "run_b", "run_c"})
     assert pair[0].group == "run_a" and pair[1].group == "run_b"
+
+
+_LEAKY = '''
+import os, subprocess, sys, pytest
+from pathlib import Path
+
+def test_leaves_a_process():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+def test_leaves_a_semaphore_file():
+    Path("/dev/shm/{name}").write_bytes(b"")
+
+def test_clean():
+    pass
+'''
+
+
+def _inner_pytest(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """A pytest of its own on `_LEAKY`, with the suite's harness as its plugin (what `make test` loads)."""
+    import uuid
+
+    name = f"sem.workbench-audit-test-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "test_leaky.py").write_text(_LEAKY.format(name=name))
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ("harness",)\n')
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+           "WORKBENCH_LEAK_GRACE_S": "2", "PYTEST_ADDOPTS": ""}
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                               "-c", str(tmp_path / "pytest.ini"), *args, str(tmp_path)],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    finally:
+        leaked = Path("/dev/shm") / name
+        there = leaked.exists()
+        leaked.unlink(missing_ok=True)
+    done.stdout += f"\n[semaphore file still there after the run: {there}]"
+    done.name = name
+    return done
+
+
+def test_the_audit_fails_a_test_that_leaves_a_process_or_a_file(tmp_path):
+    """One process (no workers): each leak fails the test that made it, by name; the leaks are cleaned up."""
+    done = _inner_pytest(tmp_path, "-q")
+    out = done.stdout
+    assert done.returncode == 1, out
+    assert "ERROR" in out and "test_leaves_a_process - Failed: " in out and "left behind" in out, out
+    assert "test_leaves_a_semaphore_file - Failed: " in out and done.name in out, out
+    assert "3 passed, 2 errors" in out, out
+    assert "[semaphore file still there after the run: False]" in out
+
+
+def test_beside_other_workers_the_controller_fails_the_session_for_a_file(tmp_path):
+    """Two xdist workers: a process is still its test's failure; a /dev/shm file, which cannot be traced to a
+    worker, fails the whole session when the last worker has ended (and is removed)."""
+    done = _inner_pytest(tmp_path, "-q", "-n", "2")
+    out = done.stdout
+    assert done.returncode == 1, out
+    assert "test_leaves_a_process - Failed: " in out and "left behind" in out, out
+    assert "test_leaves_a_semaphore_file - Failed" not in out, out
+    assert "the session left behind" in out and done.name in out, out
+    assert "[semaphore file still there after the run: False]" in out
