@@ -87,6 +87,37 @@ def test_async_batches_are_one_step_stale_and_the_server_tracks_the_trainer(benc
     assert all(0.8 < r < 1.25 for r in ratios), ratios
 
 
+def test_each_push_is_timed_in_parts_and_set_against_the_copy_bandwidth(bench_run):
+    """The reload pushes of the served paths: our write and the server's reload call inside each push's time, and
+    the table's line for each such path sets its GB/s against the machine's measured copy bandwidth."""
+    run, result, _ = bench_run
+    copy = result.machine["copy_gbps"]
+    assert copy["repeats"] == 5 and 0 < copy["min"] <= copy["median"] <= copy["max"]
+    table = run.bench.table.read_text()
+    for r in result.results:
+        metrics = [m for m in read_jsonl(TrainDir(r.train_dir).metrics, normalised=False) if "time/step" in m]
+        if r.path == "in-process":
+            assert not r.sync_parts and not any("sync/write_seconds" in m for m in metrics)
+            continue
+        for m in metrics:
+            parts = m["sync/write_seconds"] + m["sync/server_seconds"]
+            assert 0.9 * m["sync/seconds"] <= parts <= m["sync/seconds"], m
+        assert set(r.sync_parts) == {"write", "server"} and r.sync_seconds > 0
+        assert bench.sync_line(r, copy) in table
+
+
+def test_the_sync_line_names_the_rate_the_ceiling_and_the_servers_share():
+    r = bench.PathResult(size="100m", path="server", steps=4, step_seconds=28.0, breakdown={}, tokens_per_step=800,
+                         generation_tokens_per_second=50.0, training_tokens_per_second=20.0, staleness=0.0,
+                         sampler_cpu_percent=None, train_dir="", sync_megabytes=380.6, sync_seconds=0.8,
+                         sync_parts={"write": 0.056, "server": 0.744})
+    line = bench.sync_line(r, {"median": 15.5, "min": 15.0, "max": 15.9, "megabytes": 256, "repeats": 5})
+    assert line == ("100m server: a weight push moved 380.6 MB in 0.800 s (0.48 GB/s, 3% of the machine's copy "
+                    "bandwidth, 15.5 GB/s: median of 5 copies of 256 MB, 15.0-15.9); our write 0.056 s (6.80 GB/s), "
+                    "the server's reload call 0.744 s (93% of the push)")
+    assert bench.sync_line(r, {}).startswith("100m server: a weight push moved 380.6 MB in 0.800 s (0.48 GB/s);")
+
+
 def test_the_lora_lines_compare_its_push_and_decode_with_the_full_path():
     """What the bench says of a lora path beside a server path (the numbers of the 100m bench in the README)."""
     common = dict(size="100m", steps=4, tokens_per_step=800, generation_tokens_per_second=50.0,

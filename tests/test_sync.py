@@ -9,6 +9,7 @@ left between the server's and the trainer's log-probs is kernel rounding (about 
 canary's warning level (2e-3) and its stop level (2e-2)."""
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -240,3 +241,88 @@ def test_reload_directory_is_made_on_use_and_removed(tmp_path):
     (mine.directory / sync.ReloadSync.FILE).write_bytes(b"weights")
     mine.close()
     assert sorted(p.name for p in given.iterdir()) == ["notes.txt"]
+
+
+def test_reload_rewrites_its_file_in_place_and_the_server_keeps_what_it_loaded(restored_server, server_rr,
+                                                                               tiny_model_dir):
+    """On a RAM disk the second push overwrites the first push's file where it lies (the same inode: no new file,
+    no serialisation) and the server answers with the new weights exactly. Overwriting the file without a reload
+    call changes nothing on the server: it copied what it read (the rewrite's safety rests on that), and it reads
+    the file only inside the call. Each push is timed in two parts: our write, the server's reload call."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok("What is 47 + 35? <answer>82</answer>", add_special_tokens=False)["input_ids"]
+    adapter = sync.ReloadSync(aliases=sync.tied_aliases(model))
+    client = sync.SyncingVLLMClient(base_url=restored_server.url, weight_sync=adapter, headers=server_rr.headers)
+    client.init_communicator()
+    generator = torch.Generator().manual_seed(0)
+
+    def moved() -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=generator))
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def served() -> list[float]:
+        client.reset_prefix_cache()
+        return sequence_logprobs(server_rr, ids, url=restored_server.url)
+
+    try:
+        file = adapter.directory / sync.ReloadSync.FILE
+        assert sync.on_ram_disk(adapter.directory)
+        client.update_named_params([], iter(moved().items()))
+        first = os.stat(file).st_ino
+        assert _mean_abs(served(), _model_logprobs(model, ids)) < EXACT
+        second = moved()
+        client.update_named_params([], iter(second.items()))
+        assert os.stat(file).st_ino == first and sorted(p.name for p in adapter.directory.iterdir()) == [file.name]
+        expected = _model_logprobs(model, ids)
+        assert _mean_abs(served(), expected) < EXACT, "the rewritten file did not reach the server"
+        for parts in adapter.part_records:
+            assert set(parts) == {"write", "server"} and all(v > 0 for v in parts.values())
+        # a third set of weights written into the file, the server not asked to reload
+        third = {**moved(), "lm_head.weight": model.lm_head.weight.detach().clone()}
+        assert adapter._rewrite(third)
+        assert _mean_abs(served(), expected) < EXACT, "the server's weights follow the file it loaded from"
+        assert _mean_abs(_model_logprobs(model, ids), expected) > 0.01  # the third set differs: the check can fail
+    finally:
+        client.close_communicator()
+
+
+def test_reload_writes_a_new_file_when_the_layout_changes_or_off_a_ram_disk(tmp_path, monkeypatch):
+    """A rewrite in place only for the same names, dtypes and shapes on a RAM disk; anything else is a new file,
+    renamed into place. Either way the file holds exactly the tensors pushed (a tied alias included)."""
+    from safetensors.torch import load_file
+
+    def tensors(dtype=torch.float32, rows=3) -> dict[str, torch.Tensor]:
+        embed = torch.randn(rows, 4).to(dtype)
+        return {"embed": embed, "lm_head": embed, "norm": torch.randn(4).to(dtype)}
+
+    def written(adapter, pushed) -> int:
+        if not adapter._rewrite(pushed):
+            adapter._write_whole(pushed)
+        path = adapter.directory / sync.ReloadSync.FILE
+        back = load_file(path)
+        assert back.keys() == pushed.keys() and all(torch.equal(back[k], v) for k, v in pushed.items())
+        return os.stat(path).st_ino
+
+    ram = sync.ReloadSync()
+    try:
+        first = written(ram, tensors())
+        assert written(ram, tensors()) == first  # in place
+        assert written(ram, tensors(rows=5)) != first  # a new shape: a new file
+        again = written(ram, tensors(rows=5))
+        assert written(ram, tensors(torch.bfloat16, rows=5)) != again  # a new dtype: a new file
+        changed = tensors(torch.bfloat16, rows=5)
+        changed["extra"] = torch.zeros(2)
+        assert written(ram, changed) != again
+    finally:
+        ram.close()
+    assert sync.on_ram_disk(Path("/dev/shm")) and not sync.on_ram_disk(Path("/proc/self"))
+    monkeypatch.setattr(sync, "on_ram_disk", lambda path: False)  # a disk or a shared filesystem (tmp_path may be either)
+    disk = sync.ReloadSync(tmp_path / "sync")
+    inodes = {written(disk, tensors()) for _ in range(3)}
+    assert len(inodes) >= 2 and disk._layout is None  # a new file every push (the inode may be reused once freed)
+    disk.close()

@@ -84,6 +84,8 @@ class PathResult:
     train_dir: str
     efficiency: float | None = None  # training tokens/s ÷ the server's saturated tokens/s (server paths)
     sync_megabytes: float = 0.0  # median megabytes a weight push moved (0: no push)
+    sync_seconds: float = 0.0  # median seconds of a push
+    sync_parts: dict[str, float] = field(default_factory=dict)  # median seconds of each timed part of a push
 
 
 @dataclass
@@ -134,6 +136,10 @@ class Bench:
             base, adapter = sat["base"]["best"], sat["adapter"]["best"]
             lines.append(f"\n{size}: the LoRA server saturated at {base:.0f} tokens/s on the base model and "
                          f"{adapter:.0f} under the trained adapter: decode {base / adapter:.2f}× slower with it")
+        copy = self.machine.get("copy_gbps") or {}
+        for r in self.results:
+            if r.sync_megabytes and r.sync_seconds:
+                lines.append("\n" + sync_line(r, copy))
         for size in dict.fromkeys(r.size for r in self.results):
             full, lora = self.result(size, "server"), self.result(size, "lora")
             if full and lora and full.sync_megabytes and full.breakdown["time/weight_sync"]:
@@ -180,6 +186,39 @@ class Bench:
         return save_png(fig, path, dpi=110)
 
 
+def sync_line(r: PathResult, copy: dict) -> str:
+    """A path's weight push against the machine's copy bandwidth: how far the sync is from moving bytes at memory
+    speed, and which part (ours: gathering and writing; the server's: its reload call) holds it back."""
+    rate = r.sync_megabytes / 1e3 / r.sync_seconds
+    text = f"{r.size} {r.path}: a weight push moved {r.sync_megabytes:.1f} MB in {r.sync_seconds:.3f} s ({rate:.2f} GB/s"
+    if copy.get("median"):
+        text += (f", {rate / copy['median']:.0%} of the machine's copy bandwidth, {copy['median']:.1f} GB/s: median of "
+                 f"{copy['repeats']} copies of {copy['megabytes']} MB, {copy['min']:.1f}-{copy['max']:.1f}")
+    text += ")"
+    parts = r.sync_parts
+    if parts.get("write") and "server" in parts:
+        text += (f"; our write {parts['write']:.3f} s ({r.sync_megabytes / 1e3 / parts['write']:.2f} GB/s), the "
+                 f"server's reload call {parts['server']:.3f} s ({parts['server'] / r.sync_seconds:.0%} of the push)")
+    return text
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> dict:
+    """The host's memory copy bandwidth as torch copies (its own threads): the ceiling a weight push through host
+    memory is measured against. GB/s counts the bytes copied once (read and write are not added up)."""
+    import torch
+
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: the pages are allocated outside the timing
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        rates.append(src.numel() * 4 / (time.perf_counter() - started) / 1e9)
+    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "megabytes": megabytes,
+            "repeats": repeats, "threads": torch.get_num_threads()}
+
+
 def machine(rr: Resolved) -> dict:
     """Cores, memory, accelerator and the versions the numbers were measured with."""
     import psutil
@@ -195,6 +234,7 @@ def machine(rr: Resolved) -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": cores, "memory_gib": round(memory, 1),
             "accelerator": accelerator, "cpu": platform.processor() or platform.machine(), "versions": versions,
             "split": {"server": list(rr.server.devices), "trainer": list(rr.trainer.devices)},
+            "copy_gbps": copy_bandwidth(),
             "summary": f"{platform.machine()}, {cores} cores, {memory:.0f} GiB, {accelerator}; "
                        + ", ".join(f"{k} {v}" for k, v in versions.items())}
 
@@ -222,7 +262,10 @@ def summarise(size: str, path: str, train_dir: TrainDir, warmup: int) -> PathRes
         staleness=_median([m.get("rollout/staleness", 0.0) for m in measured]),
         sampler_cpu_percent=100 * monitor["core_share"] if "core_share" in monitor else None,
         train_dir=str(train_dir.path),
-        sync_megabytes=_median([m["sync/megabytes"] for m in measured if m.get("sync/megabytes")]))
+        sync_megabytes=_median([m["sync/megabytes"] for m in measured if m.get("sync/megabytes")]),
+        sync_seconds=_median([m["sync/seconds"] for m in measured if m.get("sync/seconds")]),
+        sync_parts={part: _median([m[f"sync/{part}_seconds"] for m in measured if f"sync/{part}_seconds" in m])
+                    for part in ("write", "server") if any(f"sync/{part}_seconds" in m for m in measured)})
 
 
 def saturation(rr: Resolved, url: str, concurrencies: list[int], rounds: int = 2, adapter: str | None = None) -> dict:

@@ -70,6 +70,8 @@ class WeightSync:
 
     def __init__(self) -> None:
         self.records: list[tuple[float, int]] = []  # (seconds, bytes) per push
+        self.parts: dict[str, float] = {}  # the push in progress: seconds of each part an adapter times
+        self.part_records: list[dict[str, float]] = []
 
     def connect(self, client: "SyncingVLLMClient", device) -> None:
         pass
@@ -87,15 +89,25 @@ class WeightSync:
 
     def push(self, client: "SyncingVLLMClient", metadata: Metadata, named_params: NamedParams) -> None:
         started = time.perf_counter()
+        self.parts = {}
         moved = self.send(client, metadata, named_params)
         seconds = time.perf_counter() - started
         self.records.append((seconds, moved))
-        logger.info("weight sync (%s): %.1f MB in %.3f s", self.name, moved / 1e6, seconds)
+        if self.parts:
+            self.part_records.append(dict(self.parts))
+        logger.info("weight sync (%s): %.1f MB in %.3f s%s", self.name, moved / 1e6, seconds,
+                    "".join(f", {k} {v:.3f} s" for k, v in self.parts.items()))
 
     def drain(self) -> list[tuple[float, int]]:
         """The pushes since the last drain (the trainer logs them with each log line)."""
         out, self.records = self.records, []
         return out
+
+    def drain_parts(self) -> dict[str, float]:
+        """The mean seconds of each timed part of the pushes since the last drain (adapters that time parts)."""
+        out, self.part_records = self.part_records, []
+        names = dict.fromkeys(k for parts in out for k in parts)
+        return {k: sum(p.get(k, 0.0) for p in out) / len(out) for k in names}
 
 
 class NoSync(WeightSync):
@@ -174,6 +186,8 @@ class ReloadSync(WeightSync):
         self._made_given = False  # the given directory did not exist: the adapter made it (and removes it, if empty)
         self._own: Path | None = None  # the RAM-disk directory this adapter made (and removes)
         self._cleanup = None
+        self._layout: dict[str, tuple[torch.dtype, tuple, int]] | None = None  # the last whole write, for _rewrite
+        self._file_id: tuple[int, int] | None = None
 
     @property
     def directory(self) -> Path:
@@ -230,24 +244,70 @@ class ReloadSync(WeightSync):
         client.get_server_info()  # raises with a clear hint when the server lacks VLLM_SERVER_DEV_MODE=1
 
     def send(self, client, metadata, named_params) -> int:
-        from safetensors.torch import save_file
-
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_params}
+        started = time.perf_counter()
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_params}  # gathers, when sharded
         for alias, source in self.aliases.items():
             if source in tensors and alias not in tensors:
-                tensors[alias] = tensors[source].clone()  # safetensors refuses shared storage
+                tensors[alias] = tensors[source]
         moved = sum(t.numel() * t.element_size() for t in tensors.values())
-        # Written under a name vLLM ignores, then renamed: the server never sees half a file.
-        partial = self.directory / (self.FILE + ".partial")
-        save_file(tensors, str(partial))
-        os.replace(partial, self.directory / self.FILE)
+        if not self._rewrite(tensors):
+            self._write_whole(tensors)
+        written = time.perf_counter()
         result = client._post(f"{client.base_url}/collective_rpc",
                               json={"method": "reload_weights", "kwargs": {"weights_path": str(self.directory)}})
         if "results" not in result:
             raise WorkbenchError(f"reload_weights answered {result!r}", "check the server log for the reload error")
+        # write: gathering and writing the bytes (ours); server: the reload call, from request to answer (the
+        # server's: reading the file, re-creating each layer and repacking its weights for the CPU kernels)
+        self.parts = {"write": written - started, "server": time.perf_counter() - written}
         return moved
 
+    def _write_whole(self, tensors: dict[str, torch.Tensor]) -> None:
+        """A new file, written under a name vLLM ignores, then renamed: the server never sees half a file. Its
+        layout (where each tensor's bytes lie) is kept for the next pushes' rewrite in place."""
+        from safetensors.torch import save_file
+
+        seen: set[int] = set()
+        unshared = {}
+        for name, t in tensors.items():  # safetensors refuses tensors sharing storage (a tied alias)
+            unshared[name] = t.clone() if t.data_ptr() in seen else t
+            seen.add(t.data_ptr())
+        partial = self.directory / (self.FILE + ".partial")
+        save_file(unshared, str(partial))
+        os.replace(partial, self.directory / self.FILE)
+        self._layout = None
+        if on_ram_disk(self.directory):
+            offsets = _data_offsets(self.directory / self.FILE)
+            self._layout = {name: (t.dtype, tuple(t.shape), offsets[name]) for name, t in tensors.items()}
+            self._file_id = _file_id(self.directory / self.FILE)
+
+    def _rewrite(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """The same names, dtypes and shapes as the file this adapter last wrote, still in place: its bytes
+        overwritten where they lie (no new file, no page allocation, no serialisation; about 3x faster than a new
+        file on a RAM disk). Only on a RAM disk (local memory): a shared filesystem might show a remote server a
+        mix of two pushes. Safe because the server reads the file only inside the reload call and copies what it
+        reads into its own tensors (tests/test_sync.py checks that with a real server); the reload call is made
+        only after the last byte is written."""
+        layout = self._layout
+        path = self.directory / self.FILE
+        if layout is None or layout.keys() != tensors.keys() or _file_id(path) != self._file_id:
+            return False
+        if any((t.dtype, tuple(t.shape)) != layout[name][:2] for name, t in tensors.items()):
+            return False
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            for name, t in tensors.items():
+                # one pwrite per tensor from its own memory (a uint8 view: numpy has no bfloat16)
+                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], layout[name][2] + done)
+        finally:
+            os.close(fd)
+        return True
+
     def close(self, client=None) -> None:
+        self._layout = self._file_id = None
         if self._cleanup is not None:  # our own directory: gone with everything in it
             self._cleanup()
             self._own, self._cleanup = None, None
@@ -260,6 +320,42 @@ class ReloadSync(WeightSync):
                     self._made_given = False
                 except OSError:
                     pass
+
+
+def on_ram_disk(path: Path) -> bool:
+    """Whether `path` lies on a tmpfs (local memory): the mount with the longest prefix of its real path."""
+    real, best, kind = os.path.realpath(path), "", ""
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return False
+    return kind == "tmpfs"
+
+
+def _data_offsets(path: Path) -> dict[str, int]:
+    """Where each tensor's bytes begin in a safetensors file: 8 bytes of header length, the JSON header, the data."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {name: 8 + length + entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"}
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def adapter_name(tag: str, step: int, when: float | None = None) -> str:

@@ -374,6 +374,8 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
                 logs["sync/seconds"] = sum(s for s, _ in pushes) / len(pushes)
                 logs["sync/megabytes"] = sum(b for _, b in pushes) / len(pushes) / 1e6
                 logs["sync/count"] = float(len(pushes))
+                for part, seconds in self.weight_sync.drain_parts().items():  # e.g. reload: write, server
+                    logs[f"sync/{part}_seconds"] = seconds
         elif pushes:  # not a training log line: keep the pushes for the next one
             self.weight_sync.records = pushes + self.weight_sync.records
         super().log(logs, start_time)
