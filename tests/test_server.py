@@ -242,3 +242,35 @@ def test_launch_command_per_platform(tmp_path):
     assert cpu_env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and cpu_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert cpu.weight_sync == "reload"
     assert recipe.resolve(r, platform="cuda").weight_sync == "nccl" and npu.weight_sync == "hccl"
+
+
+def test_the_cpu_server_keeps_large_blocks_mmapped_on_huge_pages(tiny_server, monkeypatch):
+    """The CPU server's allocator: large blocks mmapped (a fixed threshold: what a reload frees goes back to the
+    OS) and, through glibc.malloc.hugetlb, on transparent huge pages (a reload faults in 2 MiB pages instead of
+    4 KiB ones). A user's own GLIBC_TUNABLES are kept; a hugetlb setting of theirs wins. Read from the running
+    server's own processes: the variables it got and the huge pages its memory really sits on."""
+    from workbench.recipe.resolve import with_tunable
+
+    assert with_tunable("", "glibc.malloc.hugetlb", "1") == "glibc.malloc.hugetlb=1"
+    assert with_tunable("glibc.pthread.rseq=0", "glibc.malloc.hugetlb", "1") == \
+        "glibc.pthread.rseq=0:glibc.malloc.hugetlb=1"
+    assert with_tunable("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb", "1") == "glibc.malloc.hugetlb=0"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.pthread.rseq=0")
+    assert "glibc.pthread.rseq=0:" in recipe.resolve(recipe.load("cpu-tiny"), platform="cpu").server.env["GLIBC_TUNABLES"]
+
+    # the launcher's environment (the group's leader): the engine core's /proc environ is overwritten by its title
+    raw = Path(f"/proc/{tiny_server.pgid}/environ").read_text().split("\0")
+    env = dict(line.split("=", 1) for line in raw if "=" in line)
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "131072" and "glibc.malloc.hugetlb=1" in env["GLIBC_TUNABLES"].split(":")
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if "[never]" in mode:
+        pytest.skip(f"transparent huge pages are off on this machine ({mode.strip()}): nothing to see in smaps")
+
+    def huge_kib(pid: int) -> int:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+        return 0
+
+    assert max(huge_kib(pid) for pid in group_members(tiny_server.pgid)) >= 2048, \
+        "no process of the server sits on a huge page"
