@@ -20,6 +20,11 @@ same run; for `lora` on its server, both on the base model and under the trained
 unmerged adapter), and the megabytes each weight push moved. Sizes: the recipe's model and, for the tiny model, a ~100M-parameter model of the same architecture with
 random weights (built locally, no download), at 128-token completions and a smaller batch.
 
+Against the machine (roofline.py, CPU): the bench measures memory copy bandwidth and float32 GEMM throughput on the
+server's and on the trainer's cores, then says for each path how close its generation came to the server cores'
+decode ceiling and its scoring and optimisation to the trainer cores' GEMM throughput; and each weight push
+(megabytes, seconds, our write and the server's reload call) against the whole machine's copy bandwidth.
+
 Output: RUN/bench/bench.json (every number, the machine and the versions), bench.md (the table), bench.png, and one
 training directory per size and path (bench/<size>-<path>/: metrics.jsonl, devices.jsonl, train.json).
 """
@@ -35,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from workbench import tinymodel
+from workbench.experiments import roofline
 from workbench.errors import WorkbenchError
 from workbench.platform.compat import dist_version
 from workbench.recipe import Resolved, load, resolve
@@ -44,6 +50,7 @@ from workbench.tasks import dataset
 from workbench.training import launch
 from workbench.training.config import preflight
 
+LOCAL = ("in-process", "colocate")  # no server: the trainer gets the server's cores too
 SERVED = ("server", "async")  # the paths that share one managed server (and its saturation sweep)
 OWN_SERVER = ("lora",)  # a path on a server of its own (started with LoRA slots), measured alone
 LORA = ["peft.r=16", "peft.lora_alpha=32", "peft.target_modules=all-linear"]
@@ -100,6 +107,7 @@ class Bench:
     # size -> {"base": saturation on the LoRA server's base model, "adapter": under the lora path's trained adapter}
     lora_saturation: dict[str, dict] = field(default_factory=dict)
     seconds: float = 0.0
+    limits: dict | None = None  # roofline.measure: copy bandwidth and GEMM throughput on each role's cores (CPU)
 
     def result(self, size: str, path: str) -> PathResult | None:
         return next((r for r in self.results if r.size == size and r.path == path), None)
@@ -136,6 +144,10 @@ class Bench:
             base, adapter = sat["base"]["best"], sat["adapter"]["best"]
             lines.append(f"\n{size}: the LoRA server saturated at {base:.0f} tokens/s on the base model and "
                          f"{adapter:.0f} under the trained adapter: decode {base / adapter:.2f}× slower with it")
+        for r in self.results:
+            gauge = self.gauge_line(r)
+            if gauge:
+                lines.append("\n" + gauge)
         copy = self.machine.get("copy_gbps") or {}
         for r in self.results:
             if r.sync_megabytes and r.sync_seconds:
@@ -148,6 +160,31 @@ class Bench:
                              f" of the full push's bytes and {lora.breakdown['time/weight_sync'] / full.breakdown['time/weight_sync']:.1%} of its "
                              f"seconds ({full.sync_megabytes:.1f} MB in {full.breakdown['time/weight_sync']:.3f} s)")
         return "\n".join(lines) + "\n"
+
+    def gauge_line(self, r: PathResult) -> str | None:
+        """A path against the machine's limits: the server's decode ceiling for the step's batch and the trainer
+        cores' GEMM throughput (roofline.py); None when the limits or the model's shape were not measured."""
+        shape = (self.sizes.get(r.size) or {}).get("shape")
+        if not self.limits or not shape:
+            return None
+        shape = roofline.Shape(**shape)
+        parts = []
+        if r.generation_tokens_per_second and r.path != "in-process":
+            ceiling = roofline.decode_ceiling(shape, self.limits["server"])
+            parts.append(f"generation at {r.generation_tokens_per_second / ceiling['ceiling']:.0%} of the server "
+                         f"cores' decode ceiling ({ceiling['ceiling']:.0f} tokens/s for {shape.in_flight} sequences, "
+                         f"{ceiling['bound']}-bound: memory {ceiling['memory']:.0f}, compute {ceiling['compute']:.0f})")
+        trained = r.breakdown.get("time/scoring", 0.0) + r.breakdown.get("time/optimisation", 0.0)
+        # a path without a server trains on the server's cores too (see the module docstring)
+        cores, whose = (self.limits["both"], "both cores'") if r.path in LOCAL else (self.limits["trainer"],
+                                                                                      "the trainer cores'")
+        share = roofline.training_share(shape, r.tokens_per_step, trained, cores)
+        if share is not None:
+            gemm = cores["gemm"]
+            parts.append(f"scoring and optimisation at {share:.0%} of {whose} float32 GEMM throughput "
+                         f"({gemm['median']:.0f} GFLOP/s, {gemm['min']:.0f}-{gemm['max']:.0f}; completion tokens "
+                         "only: a lower bound)")
+        return f"{r.size} {r.path}: " + "; ".join(parts) if parts else None
 
     def save(self, stage: StageDir) -> Path:
         stage.make()
@@ -202,23 +239,6 @@ def sync_line(r: PathResult, copy: dict) -> str:
     return text
 
 
-def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> dict:
-    """The host's memory copy bandwidth as torch copies (its own threads): the ceiling a weight push through host
-    memory is measured against. GB/s counts the bytes copied once (read and write are not added up)."""
-    import torch
-
-    src = torch.ones(megabytes * 2**20 // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch: the pages are allocated outside the timing
-    rates = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        dst.copy_(src)
-        rates.append(src.numel() * 4 / (time.perf_counter() - started) / 1e9)
-    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "megabytes": megabytes,
-            "repeats": repeats, "threads": torch.get_num_threads()}
-
-
 def machine(rr: Resolved) -> dict:
     """Cores, memory, accelerator and the versions the numbers were measured with."""
     import psutil
@@ -234,7 +254,7 @@ def machine(rr: Resolved) -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": cores, "memory_gib": round(memory, 1),
             "accelerator": accelerator, "cpu": platform.processor() or platform.machine(), "versions": versions,
             "split": {"server": list(rr.server.devices), "trainer": list(rr.trainer.devices)},
-            "copy_gbps": copy_bandwidth(),
+            "copy_gbps": roofline.copy_bandwidth(),  # the whole machine's: the ceiling of a weight push
             "summary": f"{platform.machine()}, {cores} cores, {memory:.0f} GiB, {accelerator}; "
                        + ", ".join(f"{k} {v}" for k, v in versions.items())}
 
@@ -376,7 +396,8 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
                                  f"environment ({exports})", f"run it as: {exports} workbench bench ...")
     run_dir = run_dir or RunDir.create(recipe, "bench")
     stage = run_dir.bench.make()
-    bench = Bench(recipe=recipe.name, steps=steps, warmup=warmup, machine=machine(first))
+    bench = Bench(recipe=recipe.name, steps=steps, warmup=warmup, machine=machine(first),
+                  limits=roofline.measure(first))
     started = time.time()
     for size in sizes:
         sized = plans[(size, paths[0])]
@@ -384,6 +405,10 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
         bench.sizes[size] = {"parameters": tinymodel.info(model_path)["parameters"] if sized.is_tiny else None,
                              "completion_tokens": sized.recipe.max_completion_length,
                              "completions_per_step": sized.recipe.trainer.get("per_device_train_batch_size")}
+        if sized.is_tiny:  # float32 weights; a decode step attends to at most the longest prompt + half the completion
+            completions = int(bench.sizes[size]["completions_per_step"] or 1)
+            context = sized.recipe.data.max_prompt_length + sized.recipe.max_completion_length / 2
+            bench.sizes[size]["shape"] = asdict(roofline.shape_of(model_path, completions, context))
         local = [p for p in paths if p not in SERVED and p not in OWN_SERVER]
         served = [p for p in paths if p in SERVED]
         alone = [p for p in paths if p in OWN_SERVER]

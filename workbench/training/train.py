@@ -85,13 +85,20 @@ def _pinned_to_trainer_cores(rr: Resolved, local_rank: int | None = None):
     if rr.platform != "cpu":
         yield
         return
-    import torch
-
     cores = list(rr.trainer.devices)
     if rr.recipe.server.in_process:  # no server process: the trainer gets the server's cores too
         cores = sorted(set(cores) | set(rr.server.devices))
     if local_rank is not None and rr.trainer_processes > 1:
         cores = [cores[local_rank % len(cores)]]
+    with on_cores(cores):
+        yield
+
+
+@contextlib.contextmanager
+def on_cores(cores: list[int]):
+    """This process on `cores` with as many torch threads; its cores and threads restored afterwards."""
+    import torch
+
     saved_cores, saved_threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, set(cores))
     torch.set_num_threads(len(cores))

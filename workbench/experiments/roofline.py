@@ -1,0 +1,128 @@
+"""The machine's limits, measured on each role's cores, and how far a bench path is from them (a roofline gauge).
+
+    from workbench.experiments import roofline
+    limits = roofline.measure(rr)                       # copy bandwidth and float32 GEMM throughput per role (CPU)
+    roofline.decode_ceiling(shape, limits["server"])     # the most tokens/s the server's cores could decode
+    roofline.training_share(shape, tokens, seconds, limits["trainer"])
+
+A decode step reads every weight once for all the sequences in flight and spends about 2 FLOPs per parameter per
+token, so the server cannot decode faster than min(in flight x bandwidth / bytes read per step, GEMM FLOP/s / (2 x
+parameters)); the KV cache each sequence reads is added to the bytes. A training token costs about 6 FLOPs per
+parameter (forward and backward) and the scoring forward 2 more: the trainer's share of its cores' GEMM throughput
+is those FLOPs over the seconds the two phases took. Only completion tokens are counted (the bench logs no prompt
+lengths), so the training share is a lower bound. On the CPU the limits are measured here; accelerators have no
+entry yet (the bench prints none).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from workbench.recipe import Resolved
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the ceilings need of a model and of the bench's step."""
+
+    parameters: int
+    bytes_per_parameter: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    in_flight: int  # sequences decoded together (the step's completions)
+    context: float  # mean tokens of context a decode step attends to
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of KV cache one sequence reads to decode one token: keys and values of every layer."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_parameter * self.context
+
+
+def shape_of(model_dir: str, in_flight: int, context: float, bytes_per_parameter: int = 4) -> Shape:
+    """A Hugging Face model directory's shape (config.json, safetensors parameter count)."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    parameters = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                numel = 1
+                for d in f.get_slice(name).get_shape():
+                    numel *= d
+                parameters += numel
+    heads = config["num_attention_heads"]
+    return Shape(parameters=parameters, bytes_per_parameter=bytes_per_parameter,
+                 layers=config["num_hidden_layers"], kv_heads=config.get("num_key_value_heads", heads),
+                 head_dim=config.get("head_dim") or config["hidden_size"] // heads, in_flight=in_flight, context=context)
+
+
+def _spread(rates: list[float], **extra) -> dict:
+    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "repeats": len(rates), **extra}
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> dict:
+    """Memory copy bandwidth as torch copies it (its current threads), GB/s of bytes copied (read and write not
+    added up): the ceiling of anything that moves weights through host memory."""
+    import torch
+
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: the pages are allocated outside the timing
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        rates.append(src.numel() * 4 / (time.perf_counter() - started) / 1e9)
+    return _spread(rates, megabytes=megabytes, threads=torch.get_num_threads())
+
+
+def gemm_throughput(size: int = 1024, repeats: int = 5) -> dict:
+    """float32 matrix-multiply GFLOP/s (size x size x size, torch's current threads): the compute ceiling."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up: kernel selection, pages
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        rates.append(2 * size**3 / (time.perf_counter() - started) / 1e9)
+    return _spread(rates, size=size, threads=torch.get_num_threads())
+
+
+def measure(rr: Resolved) -> dict | None:
+    """Copy bandwidth and GEMM throughput on the server's cores, on the trainer's, and on both ("both": where a
+    path without a server trains). CPU recipes; None elsewhere: an accelerator's limits are not measured here yet."""
+    from workbench.training.train import on_cores  # lazy: torch
+
+    if rr.platform != "cpu":
+        return None
+    out = {}
+    both = sorted(set(rr.server.devices) | set(rr.trainer.devices))
+    for name, cores in (("server", list(rr.server.devices)), ("trainer", list(rr.trainer.devices)), ("both", both)):
+        with on_cores(cores):
+            out[name] = {"cores": cores, "copy": copy_bandwidth(), "gemm": gemm_throughput()}
+    return out
+
+
+def decode_ceiling(shape: Shape, server: dict) -> dict:
+    """The most completion tokens/s the server's cores could decode for `shape`: the memory bound, the compute
+    bound, and the lower of the two."""
+    bytes_per_step = shape.parameters * shape.bytes_per_parameter + shape.in_flight * shape.kv_bytes_per_token
+    memory = shape.in_flight * server["copy"]["median"] * 1e9 / bytes_per_step
+    compute = server["gemm"]["median"] * 1e9 / (2 * shape.parameters)
+    return {"memory": memory, "compute": compute, "ceiling": min(memory, compute),
+            "bound": "memory" if memory < compute else "compute"}
+
+
+def training_share(shape: Shape, tokens: float, seconds: float, trainer: dict) -> float | None:
+    """The share of the trainer cores' GEMM throughput that scoring and optimisation used for `tokens` completion
+    tokens in `seconds` (8 FLOPs per parameter per token: 6 to train, 2 for the scoring forward)."""
+    if not seconds or not tokens:
+        return None
+    return 8 * shape.parameters * tokens / seconds / (trainer["gemm"]["median"] * 1e9)
