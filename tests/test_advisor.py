@@ -93,6 +93,24 @@ def test_an_async_run_that_barely_waits_for_its_rollouts_is_not_generation_bound
     assert rules_fired(metrics=rows, rollout=full_rollout(running=4.0)) == {"low_concurrency"}
 
 
+def test_rollouts_waiting_on_a_server_far_below_its_ceiling():
+    """gauge/generation (training/gauge.py): the trainer waits for rollouts while the server decodes at a tenth of
+    what its cores could for that batch; not a finding when the server is near its ceiling or nobody waits."""
+    rows = healthy_metrics()
+    for r in rows:
+        r["time/generation"] = r["time/rollout_wait"] = 0.6
+        r["gauge/generation"], r["gauge/training"] = 0.1, 0.4
+    assert rules_fired(metrics=rows) == {"far_from_limits"}
+    finding = advisor.far_from_limits(advisor.RunRecords(rows, [], [], RECIPE))
+    assert "at 10% of the server cores' decode ceiling (median over 30 steps)" in finding.evidence
+    assert "60% of each step" in finding.evidence and "at 40% of the trainer cores' GEMM" in finding.evidence
+    near = [{**r, "gauge/generation": 0.5} for r in rows]
+    assert rules_fired(metrics=near) == set()
+    not_waiting = [{**r, "time/rollout_wait": 0.05} for r in rows]
+    assert rules_fired(metrics=not_waiting) == set()
+    assert advisor.far_from_limits(advisor.RunRecords(rows[:2], [], [], RECIPE)) is None  # too few steps
+
+
 def test_long_tail_completions():
     rows = healthy_metrics()
     for r in rows:

@@ -130,7 +130,7 @@ def test_the_gauge_measures_each_role_and_sets_every_path_against_it(bench_run):
 def test_the_ceilings_follow_the_roofline():
     """A 100M-parameter float32 model, 8 sequences in flight: bytes read per decode step are the weights plus each
     sequence's KV cache; compute allows GEMM FLOP/s over 2 FLOPs per parameter; training counts 8 per token."""
-    from workbench.experiments import roofline
+    from workbench.platform import limits as roofline
 
     shape = roofline.Shape(parameters=100_000_000, bytes_per_parameter=4, layers=10, kv_heads=8, head_dim=64,
                            in_flight=8, context=100.0)

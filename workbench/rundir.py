@@ -122,6 +122,7 @@ class TrainDir:
     eval_curve = property(lambda self: self.path / "eval_curve.jsonl")  # the learning curve (training/evalcurve.py)
     # the starting model's distributions on the probes, the drift's reference (training/drift.py)
     drift_reference = property(lambda self: self.path / "drift_reference.pt")
+    limits = property(lambda self: self.path / "limits.json")  # the cores' measured limits (training/gauge.py)
     best = property(lambda self: self.path / "best")  # eval.keep_best: the best-scoring step's model
     groups = property(lambda self: self.path / "groups")  # step_NNNNNN.parquet: every GRPO group (training/groups.py)
     restart_request = property(lambda self: self.path / "server-restart.request")  # a rank asks for a new server

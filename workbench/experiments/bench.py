@@ -20,7 +20,7 @@ same run; for `lora` on its server, both on the base model and under the trained
 unmerged adapter), and the megabytes each weight push moved. Sizes: the recipe's model and, for the tiny model, a ~100M-parameter model of the same architecture with
 random weights (built locally, no download), at 128-token completions and a smaller batch.
 
-Against the machine (roofline.py, CPU): the bench measures memory copy bandwidth and float32 GEMM throughput on the
+Against the machine (platform/limits.py, CPU): the bench measures memory copy bandwidth and float32 GEMM throughput on the
 server's and on the trainer's cores, then says for each path how close its generation came to the server cores'
 decode ceiling and its scoring and optimisation to the trainer cores' GEMM throughput; and each weight push
 (megabytes, seconds, our write and the server's reload call) against the whole machine's copy bandwidth.
@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from workbench import tinymodel
-from workbench.experiments import roofline
+from workbench.platform import limits as roofline
 from workbench.errors import WorkbenchError
 from workbench.platform.compat import dist_version
 from workbench.recipe import Resolved, load, resolve
@@ -107,7 +107,7 @@ class Bench:
     # size -> {"base": saturation on the LoRA server's base model, "adapter": under the lora path's trained adapter}
     lora_saturation: dict[str, dict] = field(default_factory=dict)
     seconds: float = 0.0
-    limits: dict | None = None  # roofline.measure: copy bandwidth and GEMM throughput on each role's cores (CPU)
+    limits: dict | None = None  # platform/limits.py: copy bandwidth and GEMM throughput on each role's cores (CPU)
 
     def result(self, size: str, path: str) -> PathResult | None:
         return next((r for r in self.results if r.size == size and r.path == path), None)
@@ -163,7 +163,7 @@ class Bench:
 
     def gauge_line(self, r: PathResult) -> str | None:
         """A path against the machine's limits: the server's decode ceiling for the step's batch and the trainer
-        cores' GEMM throughput (roofline.py); None when the limits or the model's shape were not measured."""
+        cores' GEMM throughput (platform/limits.py); None when the limits or the model's shape were not measured."""
         shape = (self.sizes.get(r.size) or {}).get("shape")
         if not self.limits or not shape:
             return None
@@ -237,6 +237,14 @@ def sync_line(r: PathResult, copy: dict) -> str:
         text += (f"; our write {parts['write']:.3f} s ({r.sync_megabytes / 1e3 / parts['write']:.2f} GB/s), the "
                  f"server's reload call {parts['server']:.3f} s ({parts['server'] / r.sync_seconds:.0%} of the push)")
     return text
+
+
+def _limits(rr: Resolved) -> dict | None:
+    """The limits on the server's cores, the trainer's and both (where a path without a server trains); CPU only."""
+    if rr.platform != "cpu":
+        return None
+    server, trainer = list(rr.server.devices), list(rr.trainer.devices)
+    return roofline.measure({"server": server, "trainer": trainer, "both": sorted(set(server) | set(trainer))})
 
 
 def machine(rr: Resolved) -> dict:
@@ -397,7 +405,7 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
     run_dir = run_dir or RunDir.create(recipe, "bench")
     stage = run_dir.bench.make()
     bench = Bench(recipe=recipe.name, steps=steps, warmup=warmup, machine=machine(first),
-                  limits=roofline.measure(first))
+                  limits=_limits(first))
     started = time.time()
     for size in sizes:
         sized = plans[(size, paths[0])]

@@ -34,6 +34,7 @@ MOVED_KL = 0.5                   # nats/token from the start on the probes: far 
 STILL_KL = 1e-3                  # ... and so little that the updates are not moving the policy at all
 REWARD_GAIN = 0.01               # the reward's last third over its first third that counts as a rise
 RSS_GROWTH = 0.10                # a role's resident memory, end vs start of the run
+FAR_FROM_CEILING = 0.25          # gauge/generation below this: the server decodes far under its cores' ceiling
 RSS_GROWTH_MIN_MB = 200.0
 
 
@@ -391,9 +392,34 @@ def memory_growth(records) -> Finding | None:
                    "cap the glibc arenas (MALLOC_ARENA_MAX=2) and compare the slope")
 
 
+def far_from_limits(records) -> Finding | None:
+    """The trainer waits for rollouts while the server decodes far under what its cores could for that batch
+    (gauge/generation: training/gauge.py, measured limits of this machine's cores)."""
+    share = _series(records.metrics, "gauge/generation")
+    step = _series(records.metrics, "time/step")
+    # the wait for rollouts; runs from before it was logged apart waited for the whole (synchronous) generation
+    wait = _series(records.metrics, "time/rollout_wait") or _series(records.metrics, "time/generation")
+    if len(share) < 3 or not step or not wait:
+        return None
+    median, waited = statistics.median(share), statistics.fmean(wait) / statistics.fmean(step)
+    if median >= FAR_FROM_CEILING or waited < GENERATION_BOUND_SHARE:
+        return None
+    training = _series(records.metrics, "gauge/training")
+    also = f"; scoring and optimisation at {statistics.median(training):.0%} of the trainer cores' GEMM throughput" \
+        if training else ""
+    return Finding(
+        "far_from_limits", "warning", "Rollouts wait on a server that decodes far below its cores' ceiling",
+        f"the generation ran at {median:.0%} of the server cores' decode ceiling (median over {len(share)} steps) "
+        f"while the trainer waited for rollouts {waited:.0%} of each step{also}",
+        "the server is not limited by its cores: decode more sequences at once (more prompts per step, "
+        "trainer.num_generations, or rollout.mode: async), check the server's thread binding and core count "
+        "(devices.server, VLLM_CPU_OMP_THREADS_BIND) and that nothing else runs on its cores")
+
+
 RULES: dict[str, Callable] = {fn.__name__: fn for fn in
                               (idle_server, low_concurrency, long_tail, kl_spikes, no_signal, reward_unstable,
-                               policy_drift, sync_share, weight_drift, sampler_drift, server_faults, memory_growth)}
+                               policy_drift, sync_share, weight_drift, sampler_drift, server_faults, memory_growth,
+                               far_from_limits)}
 
 
 def advise(records=None, *, metrics=None, devices=None, rollout=None, recipe=None) -> list[Finding]:

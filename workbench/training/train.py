@@ -33,6 +33,7 @@ from pathlib import Path
 
 from workbench import tinymodel
 from workbench.errors import WorkbenchError
+from workbench.platform import limits
 from workbench.recipe import Resolved
 from workbench.recipe.resolve import VISIBLE_DEVICES
 from workbench.records import append_event, read_jsonl, truncate_after
@@ -90,23 +91,8 @@ def _pinned_to_trainer_cores(rr: Resolved, local_rank: int | None = None):
         cores = sorted(set(cores) | set(rr.server.devices))
     if local_rank is not None and rr.trainer_processes > 1:
         cores = [cores[local_rank % len(cores)]]
-    with on_cores(cores):
+    with limits.on_cores(cores):
         yield
-
-
-@contextlib.contextmanager
-def on_cores(cores: list[int]):
-    """This process on `cores` with as many torch threads; its cores and threads restored afterwards."""
-    import torch
-
-    saved_cores, saved_threads = os.sched_getaffinity(0), torch.get_num_threads()
-    os.sched_setaffinity(0, set(cores))
-    torch.set_num_threads(len(cores))
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, saved_cores)
-        torch.set_num_threads(saved_threads)
 
 
 def shared_settings(rr: Resolved) -> str:

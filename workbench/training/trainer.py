@@ -34,6 +34,7 @@ from workbench.training.canary import Canary
 from workbench.training.evalcurve import EvalCurve
 from workbench.training.config import grpo_config
 from workbench.training.drift import KEY as DRIFT_KEY, Drift
+from workbench.training.gauge import Gauge
 from workbench.training.groups import GroupRecorder, group_signal
 from workbench.training.overlap import Ahead
 from workbench.training.recovery import Recovery
@@ -188,6 +189,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         self._completion_tokens = 0
         self._generated_total = 0  # completion tokens sampled for training so far (the curve's x axis)
         self.curve: EvalCurve | None = None
+        self.gauge: Gauge | None = None  # the share of the cores' limits each step used (training/gauge.py)
         self._last_log_clock = time.perf_counter()
         self._steps_at_last_log = 0
         if wants_server:
@@ -369,6 +371,8 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         pushes = self.weight_sync.drain()
         if "loss" in logs:  # a training log line (not the end-of-training summary)
             logs.update(self._step_breakdown(pushes))
+            if self.gauge is not None:
+                logs.update(self.gauge.metrics(logs))
             self._drift_log(logs)
             if pushes:
                 logs["sync/seconds"] = sum(s for s, _ in pushes) / len(pushes)
@@ -433,6 +437,8 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
                                      # _internal_call: a best step is not pushed to the Hub (push_to_hub)
                                      save=lambda path: trainer.save_model(str(path), _internal_call=True))
         trainer.curve = trainer.vllm_generation.curve = curve
+    if train_dir is not None:  # completions generated at once: every rank's batch of one generation
+        trainer.gauge = Gauge.for_recipe(rr, train_dir, model, in_flight=int(args.generation_batch_size))
     return trainer
 
 

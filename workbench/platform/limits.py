@@ -1,24 +1,42 @@
-"""The machine's limits, measured on each role's cores, and how far a bench path is from them (a roofline gauge).
+"""The machine's limits, measured on a role's cores, and how far a training is from them (a roofline gauge).
 
-    from workbench.experiments import roofline
-    limits = roofline.measure(rr)                       # copy bandwidth and float32 GEMM throughput per role (CPU)
-    roofline.decode_ceiling(shape, limits["server"])     # the most tokens/s the server's cores could decode
-    roofline.training_share(shape, tokens, seconds, limits["trainer"])
+    from workbench.platform import limits
+    measured = limits.measure({"server": [0], "trainer": [1]})   # copy bandwidth, float32 GEMM throughput (CPU)
+    limits.decode_ceiling(shape, measured["server"])              # the most tokens/s those cores could decode
+    limits.training_share(shape, tokens, seconds, measured["trainer"])
 
 A decode step reads every weight once for all the sequences in flight and spends about 2 FLOPs per parameter per
-token, so the server cannot decode faster than min(in flight x bandwidth / bytes read per step, GEMM FLOP/s / (2 x
+token, so a server cannot decode faster than min(in flight x bandwidth / bytes read per step, GEMM FLOP/s / (2 x
 parameters)); the KV cache each sequence reads is added to the bytes. A training token costs about 6 FLOPs per
 parameter (forward and backward) and the scoring forward 2 more: the trainer's share of its cores' GEMM throughput
-is those FLOPs over the seconds the two phases took. Only completion tokens are counted (the bench logs no prompt
-lengths), so the training share is a lower bound. On the CPU the limits are measured here; accelerators have no
-entry yet (the bench prints none).
+is those FLOPs over the seconds the two phases took. Only completion tokens are counted (prompt lengths are not
+logged), so the training share is a lower bound. Measured on the CPU only; accelerators have no entry yet.
+Used by `workbench bench` (experiments/bench.py) and, at the start of every CPU training, by the trainer
+(training/trainer.py: the gauge/* metrics, the dashboard's and the report's rows, the advisor).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 from dataclasses import dataclass
-from workbench.recipe import Resolved
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def on_cores(cores: list[int]) -> Iterator[None]:
+    """This process on `cores` with as many torch threads; its cores and threads restored afterwards."""
+    import torch
+
+    saved_cores, saved_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(len(cores))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved_cores)
+        torch.set_num_threads(saved_threads)
 
 
 @dataclass(frozen=True)
@@ -95,18 +113,12 @@ def gemm_throughput(size: int = 1024, repeats: int = 5) -> dict:
     return _spread(rates, size=size, threads=torch.get_num_threads())
 
 
-def measure(rr: Resolved) -> dict | None:
-    """Copy bandwidth and GEMM throughput on the server's cores, on the trainer's, and on both ("both": where a
-    path without a server trains). CPU recipes; None elsewhere: an accelerator's limits are not measured here yet."""
-    from workbench.training.train import on_cores  # lazy: torch
-
-    if rr.platform != "cpu":
-        return None
+def measure(roles: dict[str, list[int]], megabytes: int = 256) -> dict:
+    """Copy bandwidth and GEMM throughput on each role's cores (name -> core ids), with as many threads."""
     out = {}
-    both = sorted(set(rr.server.devices) | set(rr.trainer.devices))
-    for name, cores in (("server", list(rr.server.devices)), ("trainer", list(rr.trainer.devices)), ("both", both)):
+    for name, cores in roles.items():
         with on_cores(cores):
-            out[name] = {"cores": cores, "copy": copy_bandwidth(), "gemm": gemm_throughput()}
+            out[name] = {"cores": list(cores), "copy": copy_bandwidth(megabytes), "gemm": gemm_throughput()}
     return out
 
 
