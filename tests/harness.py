@@ -37,7 +37,9 @@ from typing import Callable
 import psutil
 import pytest
 
-SHM = Path("/dev/shm")
+# where the audit looks; the suite's own tests of the audit point their inner pytest at a directory of theirs, so
+# that another worker's files cannot reach it (nor be removed by it)
+SHM = Path(os.environ.get("WORKBENCH_LEAK_SHM", "/dev/shm"))
 SHM_PREFIXES = ("workbench-sync-", "psm_", "sem.")
 _BESIDE_OTHERS = False  # a pytest-xdist worker with siblings: /dev/shm is the controller's to check (see above)
 # a server's group ends a few seconds after its SIGTERM; a test's own children as well (the suite's own tests of
@@ -340,7 +342,13 @@ def group_by_shared(items, shared: set[str]) -> None:
             name = parent[name]
         return name
 
-    uses = [sorted((shared | _module_scoped(item)) & set(getattr(item, "fixturenames", ()))) for item in items]
+    def keys(item) -> list[str]:
+        names = set(getattr(item, "fixturenames", ()))
+        # a module-scoped fixture is one per file: two files' fixtures of one name are two different fixtures
+        local = {f"{name}@{item.path.name}" for name in _module_scoped(item) & names}
+        return sorted((shared & names) | local)
+
+    uses = [keys(item) for item in items]
     for names in uses:
         for other in names:
             parent[root(other)] = root(names[0])

@@ -99,11 +99,11 @@ def test_rollouts_waiting_on_a_server_far_below_its_ceiling():
     rows = healthy_metrics()
     for r in rows:
         r["time/generation"] = r["time/rollout_wait"] = 0.6
-        r["gauge/generation"], r["gauge/training"] = 0.1, 0.4
+        r["gauge/generation"], r["gauge/optimisation"] = 0.1, 0.4
     assert rules_fired(metrics=rows) == {"far_from_limits"}
     finding = advisor.far_from_limits(advisor.RunRecords(rows, [], [], RECIPE))
     assert "at 10% of the server cores' decode ceiling (median over 30 steps)" in finding.evidence
-    assert "60% of each step" in finding.evidence and "at 40% of the trainer cores' GEMM" in finding.evidence
+    assert "60% of each step" in finding.evidence and "the optimisation at 40% of the trainer cores' GEMM" in finding.evidence
     near = [{**r, "gauge/generation": 0.5} for r in rows]
     assert rules_fired(metrics=near) == set()
     not_waiting = [{**r, "time/rollout_wait": 0.05} for r in rows]

@@ -109,12 +109,12 @@ def test_each_push_is_timed_in_parts_and_set_against_the_copy_bandwidth(bench_ru
 def test_the_gauge_measures_each_role_and_sets_every_path_against_it(bench_run):
     """The limits measured on the recipe's own split (server core 0, trainer core 1), the model's shape read from
     its directory, and a gauge line per path in the table: generation against the decode ceiling (the served
-    paths), scoring and optimisation against the trainer cores' GEMM throughput (every path)."""
+    paths; both cores for colocate), the optimisation against its cores' GEMM throughput (every path)."""
     run, result, _ = bench_run
     assert result.limits["server"]["cores"] == [0] and result.limits["trainer"]["cores"] == [1]
     assert result.limits["both"]["cores"] == [0, 1]
     for role, threads in (("server", 1), ("trainer", 1), ("both", 2)):
-        for kind in ("copy", "gemm"):
+        for kind in ("copy", "read", "gemm"):
             measured = result.limits[role][kind]
             assert measured["threads"] == threads and 0 < measured["min"] <= measured["median"] <= measured["max"]
     shape = result.sizes["tiny"]["shape"]
@@ -123,25 +123,44 @@ def test_the_gauge_measures_each_role_and_sets_every_path_against_it(bench_run):
     for r in result.results:
         line = result.gauge_line(r)
         whose = "both cores'" if r.path == "in-process" else "the trainer cores'"  # no server: both cores train
-        assert line in table and f"of {whose} float32 GEMM throughput" in line
+        assert line in table and "optimisation at" in line and f"of {whose} float32 GEMM throughput" in line
         assert ("of the server cores' decode ceiling" in line) == (r.path != "in-process")
+
+
+def test_colocate_is_gauged_against_both_cores():
+    """colocate runs vLLM and the training in the trainer process, on both cores: its generation and optimisation
+    are set against both cores' limits, not the server's or the trainer's."""
+    limits = {role: {"cores": cores, "read": {"median": gbps}, "copy": {"median": gbps},
+                     "gemm": {"median": flops, "min": flops, "max": flops}}
+              for role, cores, gbps, flops in (("server", [0], 10.0, 100.0), ("trainer", [1], 10.0, 100.0),
+                                               ("both", [0, 1], 20.0, 200.0))}
+    shape = {"parameters": 100_000_000, "bytes_per_parameter": 4, "layers": 10, "kv_heads": 8, "head_dim": 64,
+             "in_flight": 8, "context": 100.0}
+    r = bench.PathResult(size="100m", path="colocate", steps=4, step_seconds=20.0, tokens_per_step=800,
+                         breakdown={"time/optimisation": 6.0}, generation_tokens_per_second=50.0,
+                         training_tokens_per_second=40.0, staleness=0.0, sampler_cpu_percent=None, train_dir="")
+    result = bench.Bench("cpu-tiny", 4, 1, {"summary": "x"}, [r], sizes={"100m": {"shape": shape}}, limits=limits)
+    line = result.gauge_line(r)
+    assert "of both cores' decode ceiling (370 tokens/s" in line  # 8 x 20 GB/s / (400 MB + 8 x 4.096 MB)
+    assert "optimisation at 40% of both cores' float32 GEMM throughput (200 GFLOP/s" in line  # 6 x 1e8 x 800 / 6 s
 
 
 def test_the_ceilings_follow_the_roofline():
     """A 100M-parameter float32 model, 8 sequences in flight: bytes read per decode step are the weights plus each
-    sequence's KV cache; compute allows GEMM FLOP/s over 2 FLOPs per parameter; training counts 8 per token."""
+    sequence's KV cache, at the read bandwidth; compute allows GEMM FLOP/s over 2 FLOPs per parameter; the
+    optimisation counts 6 per token."""
     from workbench.platform import limits as roofline
 
     shape = roofline.Shape(parameters=100_000_000, bytes_per_parameter=4, layers=10, kv_heads=8, head_dim=64,
                            in_flight=8, context=100.0)
     assert shape.kv_bytes_per_token == 2 * 10 * 8 * 64 * 4 * 100  # 4.096 MB
-    server = {"copy": {"median": 10.0}, "gemm": {"median": 100.0}}
+    server = {"read": {"median": 10.0}, "copy": {"median": 1.0}, "gemm": {"median": 100.0}}
     ceiling = roofline.decode_ceiling(shape, server)
     assert ceiling["memory"] == pytest.approx(8 * 10e9 / (400e6 + 8 * 4.096e6))
     assert ceiling["compute"] == pytest.approx(100e9 / 2e8) and ceiling["bound"] == "memory"
     assert ceiling["ceiling"] == ceiling["memory"]
-    assert roofline.training_share(shape, 1000, 10.0, {"gemm": {"median": 100.0}}) == pytest.approx(0.8)
-    assert roofline.training_share(shape, 0, 10.0, {"gemm": {"median": 100.0}}) is None
+    assert roofline.optimisation_share(shape, 1000, 10.0, {"gemm": {"median": 100.0}}) == pytest.approx(0.6)
+    assert roofline.optimisation_share(shape, 0, 10.0, {"gemm": {"median": 100.0}}) is None
 
 
 def test_the_sync_line_names_the_rate_the_ceiling_and_the_servers_share():

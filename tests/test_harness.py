@@ -52,7 +52,7 @@ def test_leaves_a_process():
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 
 def test_leaves_a_semaphore_file():
-    Path("/dev/shm/{name}").write_bytes(b"")
+    Path("{shm}/{name}").write_bytes(b"")
 
 def test_clean():
     pass
@@ -64,17 +64,19 @@ def _inner_pytest(tmp_path, *args: str) -> subprocess.CompletedProcess:
     import uuid
 
     name = f"sem.workbench-audit-test-{uuid.uuid4().hex[:8]}"
-    (tmp_path / "test_leaky.py").write_text(_LEAKY.format(name=name))
+    shm = tmp_path / "shm"  # the inner audit's /dev/shm: nothing of another worker's can appear there
+    shm.mkdir()
+    (tmp_path / "test_leaky.py").write_text(_LEAKY.format(shm=shm, name=name))
     (tmp_path / "conftest.py").write_text('pytest_plugins = ("harness",)\n')
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
-           "WORKBENCH_LEAK_GRACE_S": "2", "PYTEST_ADDOPTS": ""}
+           "WORKBENCH_LEAK_GRACE_S": "2", "WORKBENCH_LEAK_SHM": str(shm), "PYTEST_ADDOPTS": ""}
     try:
         done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
                                "-c", str(tmp_path / "pytest.ini"), *args, str(tmp_path)],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
     finally:
-        leaked = Path("/dev/shm") / name
+        leaked = shm / name
         there = leaked.exists()
         leaked.unlink(missing_ok=True)
     done.stdout += f"\n[semaphore file still there after the run: {there}]"

@@ -96,3 +96,23 @@ def test_network_training_server_is_refused_before_it_starts(tmp_path):
     rr = _rr("server.host=0.0.0.0", f"monitor.runs_dir={tmp_path}")
     with pytest.raises(WorkbenchError, match="allow_remote_weight_updates"):
         VLLMServer(rr, "/m", tmp_path, for_training=True).start()
+
+
+def test_a_cpu_server_gets_huge_pages_added_to_the_users_glibc_tunables(monkeypatch):
+    """glibc.malloc.hugetlb=1 is added to the tunables the server is launched with: a user's own are kept, their
+    hugetlb setting wins; servers on accelerators get nothing of it."""
+    assert launch.with_tunable("", "glibc.malloc.hugetlb", "1") == "glibc.malloc.hugetlb=1"
+    assert launch.with_tunable("glibc.pthread.rseq=0", "glibc.malloc.hugetlb", "1") == \
+        "glibc.pthread.rseq=0:glibc.malloc.hugetlb=1"
+    assert launch.with_tunable("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb", "1") == "glibc.malloc.hugetlb=0"
+    cpu = recipe.resolve(recipe.load("cpu-tiny"), platform="cpu")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert launch.environment(cpu)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.pthread.rseq=0")
+    assert launch.environment(cpu)["GLIBC_TUNABLES"] == "glibc.pthread.rseq=0:glibc.malloc.hugetlb=1"
+    assert "GLIBC_TUNABLES" not in cpu.server.env  # the recipe's resolution does not read this shell's
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    assert launch.environment(cpu)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    npu = recipe.resolve(recipe.load("ascend-910b-8card"), platform="npu")
+    assert "GLIBC_TUNABLES" not in launch.environment(npu)

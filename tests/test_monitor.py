@@ -256,7 +256,7 @@ def test_smoke_run_records_metrics_devices_and_rollout(smoke_run):
 
 def test_a_cpu_training_logs_its_share_of_its_cores_limits(smoke_run):
     """training/gauge.py on the smoke run (attached to a loopback server: both roles' cores measured): the limits
-    and the model's shape written once, each step's gauge/generation and gauge/training recomputed here from the
+    and the model's shape written once, each step's gauge/generation and gauge/optimisation recomputed here from the
     step's own numbers, and the dashboard's and report's summary rows showing their means."""
     from workbench.observe import rundata, views
     from workbench.platform import limits
@@ -266,7 +266,7 @@ def test_a_cpu_training_logs_its_share_of_its_cores_limits(smoke_run):
     measured, shape = saved["limits"], limits.Shape(**saved["shape"])
     assert measured["server"]["cores"] == [0] and measured["trainer"]["cores"] == [1]
     for role in ("server", "trainer"):
-        assert measured[role]["gemm"]["median"] > 0 and measured[role]["copy"]["megabytes"] == 128
+        assert measured[role]["gemm"]["median"] > 0 and measured[role]["read"]["megabytes"] == 128
     assert shape.parameters > 1e6 and shape.bytes_per_parameter == 4  # the tiny model, float32
     assert shape.in_flight == 8  # the smoke recipe: 2 groups of 4 completions a generation
     steps = [r for r in records.read_jsonl(run.train.metrics, normalised=False) if "time/step" in r]
@@ -274,13 +274,13 @@ def test_a_cpu_training_logs_its_share_of_its_cores_limits(smoke_run):
     for r in steps:
         ceiling = limits.decode_ceiling(shape, measured["server"])["ceiling"]
         assert r["gauge/generation"] == pytest.approx(r["rollout/tokens_per_second"] / ceiling, rel=1e-9)
-        seconds = r["time/scoring"] + r["time/optimisation"]
-        share = limits.training_share(shape, r["rollout/completion_tokens"], seconds, measured["trainer"])
-        assert r["gauge/training"] == pytest.approx(share, rel=1e-9) and 0 < share < 1
+        share = limits.optimisation_share(shape, r["rollout/completion_tokens"], r["time/optimisation"],
+                                          measured["trainer"])
+        assert r["gauge/optimisation"] == pytest.approx(share, rel=1e-9) and 0 < share < 1
     rows = dict(views.summary_rows(rundata.load(run.train)))
     mean = sum(r["gauge/generation"] for r in steps) / 3
     assert rows["generation, share of the server cores' decode ceiling"] == f"{mean:.0%}"
-    assert "scoring + optimisation, share of the trainer cores' GEMM throughput" in rows
+    assert "optimisation, share of the trainer cores' GEMM throughput" in rows
 
 
 def test_report_to_passes_through_next_to_the_workbench_metrics(smoke_run):

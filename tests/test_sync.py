@@ -283,12 +283,67 @@ def test_reload_rewrites_its_file_in_place_and_the_server_keeps_what_it_loaded(r
         for parts in adapter.part_records:
             assert set(parts) == {"write", "server"} and all(v > 0 for v in parts.values())
         # a third set of weights written into the file, the server not asked to reload
-        third = {**moved(), "lm_head.weight": model.lm_head.weight.detach().clone()}
-        assert adapter._rewrite(third)
+        adapter._write(iter(moved().items()))  # the file only: no reload call
+        assert os.stat(file).st_ino == first
         assert _mean_abs(served(), expected) < EXACT, "the server's weights follow the file it loaded from"
         assert _mean_abs(_model_logprobs(model, ids), expected) > 0.01  # the third set differs: the check can fail
     finally:
         client.close_communicator()
+
+
+def test_reload_writes_each_tensor_as_the_iterator_holds_it(tmp_path, monkeypatch):
+    """TRL merges a PEFT adapter into the live weights before the first tensor it yields and unmerges it after the
+    last, in place: the file must hold the merged values, whether the push writes a new file, rewrites the last one
+    in place, or starts in place and meets a tensor that does not fit (then what it wrote is read back). A tied
+    alias is written with its source."""
+    from safetensors.torch import load_file
+
+    live = {"embed": torch.randn(3, 4), "proj": torch.randn(4, 4)}
+
+    def merged_then_unmerged(extra: dict | None = None):
+        for p in live.values():
+            p.add_(1.0)  # merge
+        snapshot = {k: v.clone() for k, v in live.items()}
+        yield from live.items()
+        yield from (extra or {}).items()
+        for p in live.values():
+            p.sub_(1.0)  # unmerge, after the last tensor
+        return snapshot
+
+    def push(adapter, extra=None) -> dict[str, torch.Tensor]:
+        gen = merged_then_unmerged(extra)
+        seen = {}
+
+        def recording():
+            try:
+                while True:
+                    name, t = next(gen)
+                    seen[name] = t.clone()
+                    yield name, t
+            except StopIteration:
+                return
+
+        adapter._write(recording())
+        return seen
+
+    for ram in (True, False):
+        if not ram:  # a disk or a shared filesystem: a new file every push
+            monkeypatch.setattr(sync, "on_ram_disk", lambda path: False)
+        # on a RAM disk: the adapter's own /dev/shm directory
+        adapter = sync.ReloadSync(None if ram else tmp_path / "sync", aliases={"lm_head": "embed"})
+        try:
+            inodes = []
+            for extra in (None, None, {"bias": torch.zeros(2)}):  # new file, in place (on a RAM disk), a misfit
+                expected = push(adapter, extra)
+                inodes.append(os.stat(adapter.directory / sync.ReloadSync.FILE).st_ino)
+                back = load_file(adapter.directory / sync.ReloadSync.FILE)
+                assert back.keys() == {*expected, "lm_head"}
+                assert all(torch.equal(back[k], v) for k, v in expected.items()), "unmerged weights written"
+                assert torch.equal(back["lm_head"], expected["embed"])
+                assert (adapter._layout is not None) == ram  # the file's layout kept for a rewrite in place
+            assert (inodes[1] == inodes[0]) == ram and inodes[2] != inodes[1]  # the misfit: a new file
+        finally:
+            adapter.close()
 
 
 def test_reload_writes_a_new_file_when_the_layout_changes_or_off_a_ram_disk(tmp_path, monkeypatch):
@@ -301,8 +356,7 @@ def test_reload_writes_a_new_file_when_the_layout_changes_or_off_a_ram_disk(tmp_
         return {"embed": embed, "lm_head": embed, "norm": torch.randn(4).to(dtype)}
 
     def written(adapter, pushed) -> int:
-        if not adapter._rewrite(pushed):
-            adapter._write_whole(pushed)
+        adapter._write(iter(pushed.items()))
         path = adapter.directory / sync.ReloadSync.FILE
         back = load_file(path)
         assert back.keys() == pushed.keys() and all(torch.equal(back[k], v) for k, v in pushed.items())

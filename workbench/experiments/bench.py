@@ -20,10 +20,10 @@ same run; for `lora` on its server, both on the base model and under the trained
 unmerged adapter), and the megabytes each weight push moved. Sizes: the recipe's model and, for the tiny model, a ~100M-parameter model of the same architecture with
 random weights (built locally, no download), at 128-token completions and a smaller batch.
 
-Against the machine (platform/limits.py, CPU): the bench measures memory copy bandwidth and float32 GEMM throughput on the
-server's and on the trainer's cores, then says for each path how close its generation came to the server cores'
-decode ceiling and its scoring and optimisation to the trainer cores' GEMM throughput; and each weight push
-(megabytes, seconds, our write and the server's reload call) against the whole machine's copy bandwidth.
+Against the machine (platform/limits.py, CPU): the bench measures memory read and copy bandwidth and float32 GEMM
+throughput on the server's cores, the trainer's and both, then says for each path how close its generation came to
+the decode ceiling (read bandwidth, GEMM) and its optimisation to the GEMM throughput of the cores it ran on; and
+each weight push (megabytes, seconds, our write and the server's reload call) against the machine's copy bandwidth.
 
 Output: RUN/bench/bench.json (every number, the machine and the versions), bench.md (the table), bench.png, and one
 training directory per size and path (bench/<size>-<path>/: metrics.jsonl, devices.jsonl, train.json).
@@ -169,21 +169,21 @@ class Bench:
             return None
         shape = roofline.Shape(**shape)
         parts = []
-        if r.generation_tokens_per_second and r.path != "in-process":
-            ceiling = roofline.decode_ceiling(shape, self.limits["server"])
-            parts.append(f"generation at {r.generation_tokens_per_second / ceiling['ceiling']:.0%} of the server "
-                         f"cores' decode ceiling ({ceiling['ceiling']:.0f} tokens/s for {shape.in_flight} sequences, "
-                         f"{ceiling['bound']}-bound: memory {ceiling['memory']:.0f}, compute {ceiling['compute']:.0f})")
-        trained = r.breakdown.get("time/scoring", 0.0) + r.breakdown.get("time/optimisation", 0.0)
-        # a path without a server trains on the server's cores too (see the module docstring)
-        cores, whose = (self.limits["both"], "both cores'") if r.path in LOCAL else (self.limits["trainer"],
-                                                                                      "the trainer cores'")
-        share = roofline.training_share(shape, r.tokens_per_step, trained, cores)
+        # a path without a server generates and trains on both cores (see the module docstring)
+        local = r.path in LOCAL
+        if r.generation_tokens_per_second and r.path != "in-process":  # in-process: TRL's generate, not vLLM
+            ceiling = roofline.decode_ceiling(shape, self.limits["both" if local else "server"])
+            parts.append(f"generation at {r.generation_tokens_per_second / ceiling['ceiling']:.0%} of "
+                         f"{'both' if local else 'the server'} cores' decode ceiling ({ceiling['ceiling']:.0f} "
+                         f"tokens/s for {shape.in_flight} sequences, {ceiling['bound']}-bound: memory "
+                         f"{ceiling['memory']:.0f}, compute {ceiling['compute']:.0f})")
+        cores = self.limits["both" if local else "trainer"]
+        share = roofline.optimisation_share(shape, r.tokens_per_step, r.breakdown.get("time/optimisation", 0.0), cores)
         if share is not None:
             gemm = cores["gemm"]
-            parts.append(f"scoring and optimisation at {share:.0%} of {whose} float32 GEMM throughput "
-                         f"({gemm['median']:.0f} GFLOP/s, {gemm['min']:.0f}-{gemm['max']:.0f}; completion tokens "
-                         "only: a lower bound)")
+            parts.append(f"optimisation at {share:.0%} of {'both' if local else 'the trainer'} cores' float32 GEMM "
+                         f"throughput ({gemm['median']:.0f} GFLOP/s, {gemm['min']:.0f}-{gemm['max']:.0f}; completion "
+                         "tokens only: a lower bound)")
         return f"{r.size} {r.path}: " + "; ".join(parts) if parts else None
 
     def save(self, stage: StageDir) -> Path:

@@ -404,8 +404,8 @@ def far_from_limits(records) -> Finding | None:
     median, waited = statistics.median(share), statistics.fmean(wait) / statistics.fmean(step)
     if median >= FAR_FROM_CEILING or waited < GENERATION_BOUND_SHARE:
         return None
-    training = _series(records.metrics, "gauge/training")
-    also = f"; scoring and optimisation at {statistics.median(training):.0%} of the trainer cores' GEMM throughput" \
+    training = _series(records.metrics, "gauge/optimisation")
+    also = f"; the optimisation at {statistics.median(training):.0%} of the trainer cores' GEMM throughput" \
         if training else ""
     return Finding(
         "far_from_limits", "warning", "Rollouts wait on a server that decodes far below its cores' ceiling",

@@ -74,7 +74,7 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
             if value is not None:
                 out.append((label, f"{value:.3g}"))
         for key, label in (("gauge/generation", "generation, share of the server cores' decode ceiling"),
-                           ("gauge/training", "scoring + optimisation, share of the trainer cores' GEMM throughput")):
+                           ("gauge/optimisation", "optimisation, share of the trainer cores' GEMM throughput")):
             value = avg(rows, key)
             if value is not None:  # CPU runs (training/gauge.py): the cores' limits measured when training began
                 out.append((label, f"{value:.0%}"))

@@ -3,16 +3,17 @@
     from workbench.platform import limits
     measured = limits.measure({"server": [0], "trainer": [1]})   # copy bandwidth, float32 GEMM throughput (CPU)
     limits.decode_ceiling(shape, measured["server"])              # the most tokens/s those cores could decode
-    limits.training_share(shape, tokens, seconds, measured["trainer"])
+    limits.optimisation_share(shape, tokens, seconds, measured["trainer"])
 
 A decode step reads every weight once for all the sequences in flight and spends about 2 FLOPs per parameter per
-token, so a server cannot decode faster than min(in flight x bandwidth / bytes read per step, GEMM FLOP/s / (2 x
-parameters)); the KV cache each sequence reads is added to the bytes. A training token costs about 6 FLOPs per
-parameter (forward and backward) and the scoring forward 2 more: the trainer's share of its cores' GEMM throughput
-is those FLOPs over the seconds the two phases took. Only completion tokens are counted (prompt lengths are not
-logged), so the training share is a lower bound. Measured on the CPU only; accelerators have no entry yet.
+token, so a server cannot decode faster than min(in flight x read bandwidth / bytes read per step, GEMM FLOP/s / (2 x
+parameters)); the KV cache each sequence reads is added to the bytes. An optimisation step costs about 6 FLOPs per
+parameter per token (forward and backward): its share of the cores' GEMM throughput is those FLOPs over its seconds.
+Only completion tokens are counted (prompt lengths are not logged), so that share is a lower bound. Read bandwidth
+(a sum over a buffer) is the decode's limit; copy bandwidth (bytes copied, read and write not added up) a weight
+push's. Measured on the CPU only; accelerators have no entry yet.
 Used by `workbench bench` (experiments/bench.py) and, at the start of every CPU training, by the trainer
-(training/trainer.py: the gauge/* metrics, the dashboard's and the report's rows, the advisor).
+(training/gauge.py: the gauge/* metrics, the dashboard's and the report's rows, the advisor).
 """
 from __future__ import annotations
 
@@ -99,6 +100,21 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> dict:
     return _spread(rates, megabytes=megabytes, threads=torch.get_num_threads())
 
 
+def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> dict:
+    """Memory read bandwidth as a torch sum reads a buffer (its current threads), GB/s: what a decode step, which
+    reads every weight once, is limited by."""
+    import torch
+
+    src = torch.ones(megabytes * 2**20 // 4)
+    src.sum()  # first touch outside the timing
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        src.sum()
+        rates.append(src.numel() * 4 / (time.perf_counter() - started) / 1e9)
+    return _spread(rates, megabytes=megabytes, threads=torch.get_num_threads())
+
+
 def gemm_throughput(size: int = 1024, repeats: int = 5) -> dict:
     """float32 matrix-multiply GFLOP/s (size x size x size, torch's current threads): the compute ceiling."""
     import torch
@@ -118,7 +134,8 @@ def measure(roles: dict[str, list[int]], megabytes: int = 256) -> dict:
     out = {}
     for name, cores in roles.items():
         with on_cores(cores):
-            out[name] = {"cores": list(cores), "copy": copy_bandwidth(megabytes), "gemm": gemm_throughput()}
+            out[name] = {"cores": list(cores), "copy": copy_bandwidth(megabytes), "read": read_bandwidth(megabytes),
+                         "gemm": gemm_throughput()}
     return out
 
 
@@ -126,15 +143,15 @@ def decode_ceiling(shape: Shape, server: dict) -> dict:
     """The most completion tokens/s the server's cores could decode for `shape`: the memory bound, the compute
     bound, and the lower of the two."""
     bytes_per_step = shape.parameters * shape.bytes_per_parameter + shape.in_flight * shape.kv_bytes_per_token
-    memory = shape.in_flight * server["copy"]["median"] * 1e9 / bytes_per_step
+    memory = shape.in_flight * server["read"]["median"] * 1e9 / bytes_per_step
     compute = server["gemm"]["median"] * 1e9 / (2 * shape.parameters)
     return {"memory": memory, "compute": compute, "ceiling": min(memory, compute),
             "bound": "memory" if memory < compute else "compute"}
 
 
-def training_share(shape: Shape, tokens: float, seconds: float, trainer: dict) -> float | None:
-    """The share of the trainer cores' GEMM throughput that scoring and optimisation used for `tokens` completion
-    tokens in `seconds` (8 FLOPs per parameter per token: 6 to train, 2 for the scoring forward)."""
+def optimisation_share(shape: Shape, tokens: float, seconds: float, cores: dict) -> float | None:
+    """The share of the cores' GEMM throughput an optimisation used for `tokens` completion tokens in `seconds` (6
+    FLOPs per parameter per token: forward and backward; prompt tokens not counted, so a lower bound)."""
     if not seconds or not tokens:
         return None
-    return 8 * shape.parameters * tokens / seconds / (trainer["gemm"]["median"] * 1e9)
+    return 6 * shape.parameters * tokens / seconds / (cores["gemm"]["median"] * 1e9)

@@ -161,14 +161,6 @@ def model_path(recipe: Recipe) -> str:
     return recipe.model.path
 
 
-def with_tunable(tunables: str, name: str, value: str) -> str:
-    """A GLIBC_TUNABLES string (colon-separated name=value) with `name` added, unless it already sets it."""
-    present = [t for t in tunables.split(":") if t]
-    if any(t.split("=", 1)[0] == name for t in present):
-        return ":".join(present)
-    return ":".join([*present, f"{name}={value}"])
-
-
 def _roles(recipe: Recipe, platform: str, sync: str) -> tuple[Role, Role]:
     d = recipe.devices
     # a run directory's recipe copy has secrets redacted: those variables come from the inherited environment
@@ -194,12 +186,6 @@ def _roles(recipe: Recipe, platform: str, sync: str) -> tuple[Role, Role]:
         # re-creates come from the heap and its fragments stay resident: the CPU worker's RSS crept up by ~0.2 GB per
         # 1000 reloads (scripts/soak.py). A fixed threshold keeps large tensors mmapped, returned to the OS on free.
         server_env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-        # ...but then every reload faults in and zeroes fresh 4 KiB pages for the whole model: 65% of the engine's
-        # reload time in the kernel (perf), 0.77 s for the 100m bench model against 0.29 s with glibc's default.
-        # glibc.malloc.hugetlb=1 (glibc >= 2.35; older ones ignore it) asks for transparent huge pages on those
-        # mappings (THP "madvise" mode, the usual default): 0.42 s, and freed blocks still go back to the OS.
-        inherited = server_env.get("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES", ""))
-        server_env["GLIBC_TUNABLES"] = with_tunable(inherited, "glibc.malloc.hugetlb", "1")
     elif platform in VISIBLE_DEVICES:
         server_env[VISIBLE_DEVICES[platform]] = ",".join(str(x) for x in d.server)
         trainer_env[VISIBLE_DEVICES[platform]] = ",".join(str(x) for x in d.trainer)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -186,7 +187,7 @@ class ReloadSync(WeightSync):
         self._made_given = False  # the given directory did not exist: the adapter made it (and removes it, if empty)
         self._own: Path | None = None  # the RAM-disk directory this adapter made (and removes)
         self._cleanup = None
-        self._layout: dict[str, tuple[torch.dtype, tuple, int]] | None = None  # the last whole write, for _rewrite
+        self._layout: dict[str, tuple[torch.dtype, tuple, int]] | None = None  # the last whole write, for _InPlace
         self._file_id: tuple[int, int] | None = None
 
     @property
@@ -245,13 +246,7 @@ class ReloadSync(WeightSync):
 
     def send(self, client, metadata, named_params) -> int:
         started = time.perf_counter()
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_params}  # gathers, when sharded
-        for alias, source in self.aliases.items():
-            if source in tensors and alias not in tensors:
-                tensors[alias] = tensors[source]
-        moved = sum(t.numel() * t.element_size() for t in tensors.values())
-        if not self._rewrite(tensors):
-            self._write_whole(tensors)
+        moved = self._write(named_params)
         written = time.perf_counter()
         result = client._post(f"{client.base_url}/collective_rpc",
                               json={"method": "reload_weights", "kwargs": {"weights_path": str(self.directory)}})
@@ -261,6 +256,58 @@ class ReloadSync(WeightSync):
         # server's: reading the file, re-creating each layer and repacking its weights for the CPU kernels)
         self.parts = {"write": written - started, "server": time.perf_counter() - written}
         return moved
+
+    def _write(self, named_params: NamedParams) -> int:
+        """Every tensor written while the iterator holds it as it is: TRL merges a PEFT adapter into the weights
+        before the first tensor and unmerges it after the last, in place, so a tensor kept for later (on the CPU,
+        the live parameter itself) would be written unmerged. In place (`_InPlace`) each tensor goes to the file as
+        it comes; otherwise, or from the first tensor that does not fit the file, each is copied as it comes and
+        the whole file written at the end. A tied alias goes with its source. Returns the bytes moved."""
+        aliases: dict[str, list[str]] = {}
+        for alias, source in self.aliases.items():
+            aliases.setdefault(source, []).append(alias)
+        yielded: set[str] = set()
+        copies: dict[str, torch.Tensor] = {}
+        in_place = self._in_place()
+        try:
+            for name, t in named_params:  # gathers, when sharded
+                yielded.add(name)
+                t = t.detach()
+                tied = [a for a in aliases.get(name, ()) if a not in yielded]
+                if in_place is not None and not all(in_place.put(n, t) for n in (name, *tied)):
+                    copies.update(in_place.read_back())  # what it wrote so far, as the file holds it
+                    in_place.close()
+                    in_place = None
+                if in_place is None:
+                    copies[name] = t.to("cpu", copy=True).contiguous()
+                    copies.update({a: copies[name] for a in tied})
+            if in_place is not None and not in_place.complete():  # fewer tensors than the file holds
+                copies.update(in_place.read_back())
+                in_place.close()
+                in_place = None
+            written = dict(in_place.done) if in_place is not None else copies
+        finally:
+            if in_place is not None:
+                in_place.close()
+        if in_place is None:
+            self._write_whole(copies)
+        return sum(t.numel() * t.element_size() for t in written.values())
+
+    def _in_place(self) -> "_InPlace | None":
+        """The last whole file, open for a rewrite where it lies, when it is still the one this adapter wrote (on a
+        RAM disk only: a shared filesystem might show a remote server a mix of two pushes)."""
+        if self._layout is None:
+            return None
+        path = self.directory / self.FILE
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError:
+            return None
+        st = os.fstat(fd)  # the file opened, not the name checked: a rename in between cannot fool it
+        if (st.st_dev, st.st_ino) != self._file_id:
+            os.close(fd)
+            return None
+        return _InPlace(fd, path, self._layout)
 
     def _write_whole(self, tensors: dict[str, torch.Tensor]) -> None:
         """A new file, written under a name vLLM ignores, then renamed: the server never sees half a file. Its
@@ -281,31 +328,6 @@ class ReloadSync(WeightSync):
             self._layout = {name: (t.dtype, tuple(t.shape), offsets[name]) for name, t in tensors.items()}
             self._file_id = _file_id(self.directory / self.FILE)
 
-    def _rewrite(self, tensors: dict[str, torch.Tensor]) -> bool:
-        """The same names, dtypes and shapes as the file this adapter last wrote, still in place: its bytes
-        overwritten where they lie (no new file, no page allocation, no serialisation; about 3x faster than a new
-        file on a RAM disk). Only on a RAM disk (local memory): a shared filesystem might show a remote server a
-        mix of two pushes. Safe because the server reads the file only inside the reload call and copies what it
-        reads into its own tensors (tests/test_sync.py checks that with a real server); the reload call is made
-        only after the last byte is written."""
-        layout = self._layout
-        path = self.directory / self.FILE
-        if layout is None or layout.keys() != tensors.keys() or _file_id(path) != self._file_id:
-            return False
-        if any((t.dtype, tuple(t.shape)) != layout[name][:2] for name, t in tensors.items()):
-            return False
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            for name, t in tensors.items():
-                # one pwrite per tensor from its own memory (a uint8 view: numpy has no bfloat16)
-                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                done = 0
-                while done < len(view):
-                    done += os.pwrite(fd, view[done:], layout[name][2] + done)
-        finally:
-            os.close(fd)
-        return True
-
     def close(self, client=None) -> None:
         self._layout = self._file_id = None
         if self._cleanup is not None:  # our own directory: gone with everything in it
@@ -322,6 +344,46 @@ class ReloadSync(WeightSync):
                     pass
 
 
+class _InPlace:
+    """A rewrite of the last whole file where its bytes lie: the same names, dtypes and shapes, one pwrite per tensor
+    from its own memory (no new file, no page allocation, no serialisation; about 3x faster than a new file on a RAM
+    disk). Safe because the server reads the file only inside the reload call, made after the last byte, and copies
+    what it reads into its own tensors (tests/test_sync.py checks that with a real server)."""
+
+    def __init__(self, fd: int, path: Path, layout: dict[str, tuple[torch.dtype, tuple, int]]) -> None:
+        self.fd, self.path, self.layout = fd, path, layout
+        self.done: dict[str, torch.Tensor] = {}  # name -> the tensor written (for the byte count)
+
+    def put(self, name: str, t: torch.Tensor) -> bool:
+        """Write `t` where `name` lies (again, for a tied alias that is also yielded under its own name); False,
+        nothing written, when it does not fit the file."""
+        entry = self.layout.get(name)
+        if entry is None or (t.dtype, tuple(t.shape)) != entry[:2]:
+            return False
+        host = t.to("cpu").contiguous()
+        view = memoryview(host.reshape(-1).view(torch.uint8).numpy())  # bytes (numpy has no bfloat16)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], entry[2] + done)
+        self.done[name] = t
+        return True
+
+    def complete(self) -> bool:
+        return self.done.keys() == self.layout.keys()
+
+    def read_back(self) -> dict[str, torch.Tensor]:
+        """What was written so far, as copies read from the file (for a whole write after a misfit)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), "pt") as f:
+            return {name: f.get_tensor(name).clone() for name in self.done}
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 def on_ram_disk(path: Path) -> bool:
     """Whether `path` lies on a tmpfs (local memory): the mount with the longest prefix of its real path."""
     real, best, kind = os.path.realpath(path), "", ""
@@ -331,7 +393,7 @@ def on_ram_disk(path: Path) -> bool:
                 fields = line.split()
                 if len(fields) < 3:
                     continue
-                point = fields[1].replace("\\040", " ")
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1])  # \040 is a space
                 if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
                     best, kind = point, fields[2]
     except OSError:

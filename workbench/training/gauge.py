@@ -1,19 +1,20 @@
-"""How close a CPU training runs to what its cores could do: `gauge/generation` and `gauge/training` per logged step.
+"""How close a CPU training runs to what its cores could do: gauge/generation and gauge/optimisation per logged step.
 
     gauge = Gauge.for_recipe(rr, train_dir, model)      # None where it cannot measure (see below)
     logs.update(gauge.metrics(breakdown))                # the trainer's step breakdown of that log line
 
 When the trainer is built, the limits (platform/limits.py) are measured once on the trainer role's cores and, when
 the server runs on this machine (managed, or attached on a loopback address), on the server's: copy bandwidth and
-float32 GEMM throughput, 128 MB copies and 1024-cube products, five of each (about a second). They are written to
+read bandwidth and float32 GEMM throughput, 128 MB buffers and 1024-cube products, five of each (about a second). They are written to
 train/limits.json with the model's shape. Each logged step then gets
   gauge/generation  the generation's completion tokens/s ÷ the server cores' decode ceiling for the step's batch
-  gauge/training    the FLOPs of scoring and optimisation (8 per parameter per completion token) ÷ the seconds
-                    they took ÷ the trainer cores' GEMM throughput (a lower bound: prompt tokens are not counted)
+  gauge/optimisation  the optimisation's FLOPs (6 per parameter per completion token) ÷ its seconds ÷ the
+                      trainer cores' GEMM throughput (a lower bound: prompt tokens are not counted)
 read by the dashboard's and the report's summary rows and by the advisor (`far_from_limits`).
 
 Left out (None): accelerators (their limits are not measured yet), several trainer ranks (each rank's share would
-need its own tokens), a remote server (its cores cannot be measured from here; gauge/training is still logged).
+need its own tokens), a remote server (its cores cannot be measured from here; gauge/optimisation is still
+logged).
 """
 from __future__ import annotations
 
@@ -60,9 +61,8 @@ class Gauge:
         rate = breakdown.get("rollout/tokens_per_second")
         if rate and "server" in self.measured:
             out["gauge/generation"] = rate / limits.decode_ceiling(self.shape, self.measured["server"])["ceiling"]
-        seconds = breakdown.get("time/scoring", 0.0) + breakdown.get("time/optimisation", 0.0)
-        share = limits.training_share(self.shape, breakdown.get("rollout/completion_tokens", 0.0), seconds,
-                                      self.measured["trainer"])
+        share = limits.optimisation_share(self.shape, breakdown.get("rollout/completion_tokens", 0.0),
+                                          breakdown.get("time/optimisation", 0.0), self.measured["trainer"])
         if share is not None:
-            out["gauge/training"] = share
+            out["gauge/optimisation"] = share
         return out
