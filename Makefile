@@ -54,7 +54,7 @@ test: $(STAMP) $(CONTRACT_ENV)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not heavy"
+	$(PY) -m pytest -q -m "not heavy" -n $(TEST_WORKERS) --dist loadgroup
 
 clean-venv:
 	rm -rf $(VENV)
