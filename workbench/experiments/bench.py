@@ -49,6 +49,7 @@ from workbench.rundir import RunDir, StageDir, TrainDir, write_atomic
 from workbench.tasks import dataset
 from workbench.training import launch
 from workbench.training.config import preflight
+from workbench.training.gauge import decode_context
 
 LOCAL = ("in-process", "colocate")  # no server: the trainer gets the server's cores too
 SERVED = ("server", "async")  # the paths that share one managed server (and its saturation sweep)
@@ -413,10 +414,12 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
         bench.sizes[size] = {"parameters": tinymodel.info(model_path)["parameters"] if sized.is_tiny else None,
                              "completion_tokens": sized.recipe.max_completion_length,
                              "completions_per_step": sized.recipe.trainer.get("per_device_train_batch_size")}
-        if sized.is_tiny:  # float32 weights; a decode step attends to at most the longest prompt + half the completion
-            completions = int(bench.sizes[size]["completions_per_step"] or 1)
-            context = sized.recipe.data.max_prompt_length + sized.recipe.max_completion_length / 2
-            bench.sizes[size]["shape"] = asdict(roofline.shape_of(model_path, completions, context))
+        if sized.is_tiny:  # float32 weights, served and trained as such
+            config = json.loads((Path(model_path) / "config.json").read_text())
+            shape = roofline.Shape.from_config(config, bench.sizes[size]["parameters"], 4,
+                                               int(bench.sizes[size]["completions_per_step"] or 1),
+                                               decode_context(sized.recipe))
+            bench.sizes[size]["shape"] = asdict(shape)
         local = [p for p in paths if p not in SERVED and p not in OWN_SERVER]
         served = [p for p in paths if p in SERVED]
         alone = [p for p in paths if p in OWN_SERVER]

@@ -52,32 +52,21 @@ class Shape:
     in_flight: int  # sequences decoded together (the step's completions)
     context: float  # mean tokens of context a decode step attends to
 
+    @classmethod
+    def from_config(cls, config: dict, parameters: int, bytes_per_parameter: int, in_flight: int,
+                    context: float) -> "Shape":
+        """From a Hugging Face config (config.json's keys; grouped-query attention and an explicit head_dim
+        honoured)."""
+        heads = config["num_attention_heads"]
+        return cls(parameters=parameters, bytes_per_parameter=bytes_per_parameter,
+                   layers=config["num_hidden_layers"], kv_heads=config.get("num_key_value_heads") or heads,
+                   head_dim=config.get("head_dim") or config["hidden_size"] // heads, in_flight=in_flight,
+                   context=context)
+
     @property
     def kv_bytes_per_token(self) -> float:
         """Bytes of KV cache one sequence reads to decode one token: keys and values of every layer."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_parameter * self.context
-
-
-def shape_of(model_dir: str, in_flight: int, context: float, bytes_per_parameter: int = 4) -> Shape:
-    """A Hugging Face model directory's shape (config.json, safetensors parameter count)."""
-    import json
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    parameters = 0
-    for path in Path(model_dir).glob("*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                numel = 1
-                for d in f.get_slice(name).get_shape():
-                    numel *= d
-                parameters += numel
-    heads = config["num_attention_heads"]
-    return Shape(parameters=parameters, bytes_per_parameter=bytes_per_parameter,
-                 layers=config["num_hidden_layers"], kv_heads=config.get("num_key_value_heads", heads),
-                 head_dim=config.get("head_dim") or config["hidden_size"] // heads, in_flight=in_flight, context=context)
 
 
 def _spread(rates: list[float], **extra) -> dict:

@@ -1,12 +1,12 @@
 """How close a CPU training runs to what its cores could do: gauge/generation and gauge/optimisation per logged step.
 
-    gauge = Gauge.for_recipe(rr, train_dir, model)      # None where it cannot measure (see below)
+    gauge = Gauge.for_recipe(rr, train_dir, model, in_flight)   # None where it cannot measure (see below)
     logs.update(gauge.metrics(breakdown))                # the trainer's step breakdown of that log line
 
 When the trainer is built, the limits (platform/limits.py) are measured once on the trainer role's cores and, when
 the server runs on this machine (managed, or attached on a loopback address), on the server's: copy bandwidth and
-read bandwidth and float32 GEMM throughput, 128 MB buffers and 1024-cube products, five of each (about a second). They are written to
-train/limits.json with the model's shape. Each logged step then gets
+read bandwidth and float32 GEMM throughput, 128 MB buffers and 1024-cube products, five of each (1-3 s). They are
+written to train/limits.json with the model's shape. Each logged step then gets
   gauge/generation  the generation's completion tokens/s ÷ the server cores' decode ceiling for the step's batch
   gauge/optimisation  the optimisation's FLOPs (6 per parameter per completion token) ÷ its seconds ÷ the
                       trainer cores' GEMM throughput (a lower bound: prompt tokens are not counted)
@@ -26,6 +26,20 @@ from workbench.rundir import TrainDir, write_atomic
 from workbench.serving.launch import is_loopback
 
 
+def training_cores(rr: Resolved) -> list[int]:
+    """The CPU cores a single trainer process trains on: the trainer role's, and the server's too when there is no
+    server process (server.mode off or colocate)."""
+    cores = list(rr.trainer.devices)
+    if rr.recipe.server.in_process:
+        cores = sorted(set(cores) | set(rr.server.devices))
+    return cores
+
+
+def decode_context(recipe) -> float:
+    """The tokens of context a decode step attends to, at most: the longest prompt and half the completion."""
+    return recipe.data.max_prompt_length + recipe.max_completion_length / 2
+
+
 class Gauge:
     def __init__(self, shape: limits.Shape, measured: dict) -> None:
         self.shape = shape
@@ -37,22 +51,12 @@ class Gauge:
 
         if rr.platform != "cpu" or rr.trainer_processes > 1 or rr.recipe.distributed.nodes > 1:
             return None
-        trainer = list(rr.trainer.devices)
-        if rr.recipe.server.in_process:  # no server: the trainer gets the server's cores too (training/train.py)
-            trainer = sorted(set(trainer) | set(rr.server.devices))
-        roles = {"trainer": trainer}
+        roles = {"trainer": training_cores(rr)}
         if not rr.recipe.server.in_process and is_loopback(urlparse(rr.server_url).hostname or ""):
             roles["server"] = list(rr.server.devices)
         measured = limits.measure(roles, megabytes=128)
-        config = model.config
-        heads = config.num_attention_heads
-        parameters = sum(p.numel() for p in model.parameters())
-        bytes_per = next(model.parameters()).element_size()
-        context = rr.recipe.data.max_prompt_length + rr.recipe.max_completion_length / 2
-        shape = limits.Shape(parameters=parameters, bytes_per_parameter=bytes_per,
-                             layers=config.num_hidden_layers, kv_heads=getattr(config, "num_key_value_heads", heads),
-                             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                             in_flight=in_flight, context=context)
+        shape = limits.Shape.from_config(model.config.to_dict(), sum(p.numel() for p in model.parameters()),
+                                         next(model.parameters()).element_size(), in_flight, decode_context(rr.recipe))
         write_atomic(train_dir.limits, json.dumps({"shape": shape.__dict__, "limits": measured}, indent=2))
         return cls(shape, measured)
 

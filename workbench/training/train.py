@@ -45,6 +45,7 @@ from workbench.serving.server import VLLMServer, child_setup, popen
 from workbench.training import launch
 from workbench.training.canary import CanaryAlarm
 from workbench.training.config import preflight
+from workbench.training.gauge import training_cores
 from workbench.training.monitor import Monitor
 from workbench.training.recovery import Recovery, ServerLost, serve_restart_requests
 
@@ -86,9 +87,7 @@ def _pinned_to_trainer_cores(rr: Resolved, local_rank: int | None = None):
     if rr.platform != "cpu":
         yield
         return
-    cores = list(rr.trainer.devices)
-    if rr.recipe.server.in_process:  # no server process: the trainer gets the server's cores too
-        cores = sorted(set(cores) | set(rr.server.devices))
+    cores = training_cores(rr)
     if local_rank is not None and rr.trainer_processes > 1:
         cores = [cores[local_rank % len(cores)]]
     with limits.on_cores(cores):
