@@ -138,6 +138,25 @@ def test_groups_without_signal():
     assert rules_fired(metrics=rows) == {"no_signal"}
 
 
+def test_groups_without_signal_suggest_dynamic_sampling_or_read_its_generated_share():
+    rows = healthy_metrics()
+    for r in rows[20:]:
+        r["signal/zero_spread"] = 0.8
+    (finding,) = advisor.advise(metrics=rows, devices=busy_devices(), rollout=full_rollout(), recipe=RECIPE)
+    assert "rollout.dynamic_sampling: true" in finding.suggestion
+    # under dynamic sampling the trained batch is refilled (0 without signal): the generated share tells
+    for r in rows:
+        r["signal/zero_spread"], r["dynamic/unfilled"] = 0.0, 0.25
+        r["dynamic/zero_spread_generated"], r["dynamic/prompts_per_kept"] = 0.2, 1.2
+    assert rules_fired(metrics=rows) == set()
+    for r in rows[20:]:
+        r["dynamic/zero_spread_generated"], r["dynamic/prompts_per_kept"] = 0.85, 3.0
+    (finding,) = advisor.advise(metrics=rows, devices=busy_devices(), rollout=full_rollout(), recipe=RECIPE)
+    assert finding.rule == "no_signal" and "85% of the generated groups" in finding.evidence
+    assert "3 prompts per prompt trained" in finding.evidence and "25% of the batch's groups" in finding.evidence
+    assert "rollout.refill_cap" in finding.suggestion and "dynamic_sampling: true" not in finding.suggestion
+
+
 def test_groups_without_signal_are_counted_by_the_workbench_not_trls_float32_check(tmp_path):
     """Groups whose completions all scored 0.2 (format only) or 1.2 (right and formatted): TRL's own computation
     (its nanstd on the float32 weighted sum, then isclose to 0 at 1e-8) calls neither flat, so its

@@ -87,6 +87,8 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
                               "distributed.processes=1", "distributed.main_address=127.0.0.1",
                               f"distributed.main_port={free_port()}", f"server.port={port}", f"monitor.runs_dir={runs0}",
                               "trainer.log_completions=true", "trainer.max_steps=4",
+                              # groups of 2 on 2 ranks: a refill's group is split between them (training/dynamic.py)
+                              "rollout.dynamic_sampling=true", "monitor.groups_per_step=8",
                               "devices.env.WORKBENCH_TEST_CANARY=from-the-recipe", *KEYED],
                              capture_output=True, text=True, timeout=900)
         code1 = node1[0].wait(timeout=120) if node1 else None
@@ -136,6 +138,25 @@ def test_two_ranks_train_through_one_server(two_rank_run):
     rows = dict(summary_rows(load(run.train)))
     assert rows["trainer rank 0"].startswith("cpu:0, cores [1]") and "trainer rank 1" in rows
     assert "trainer rank 1" in report.build(run).read_text()
+
+
+def test_two_ranks_refill_the_same_batch_with_dynamic_sampling(two_rank_run):
+    """Each rank holds one group of 2 (smoke: 2 completions per rank); a refill's groups straddle the ranks. Both
+    ranks took the same decisions (a disagreement would hang a collective) and TRL trained the refilled batch."""
+    import pandas as pd
+
+    from workbench.training import dynamic
+
+    run = two_rank_run[0]
+    rows = [r for r in read_jsonl(run.train.metrics) if "loss" in r]
+    assert all(dynamic.PROMPTS_PER_KEPT in r for r in rows)
+    for r in rows:
+        assert r["signal/zero_spread"] == pytest.approx(r[dynamic.UNFILLED])
+    for r in rows:
+        groups = pd.read_parquet(run.train.group_file(r["step"]))
+        assert groups["group"].nunique() == 2 and len(groups) == 4  # both ranks' completions, once each
+        spread = groups.groupby("group")["reward"].agg(lambda v: v.max() - v.min())
+        assert (spread > 1e-6).sum() == round(2 * (1 - r[dynamic.UNFILLED])), (r["step"], spread)
 
 
 def test_two_ranks_write_each_record_once_and_stay_in_sync(two_rank_run):

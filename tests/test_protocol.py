@@ -285,3 +285,100 @@ def test_concurrent_trainings_need_adapters_and_get_one_lora_server_for_all():
     assert len(commands) == 1  # one server for both candidates
     with pytest.raises(WorkbenchError, match="--concurrent 0"):
         check("smoke", candidates, 0, [1], [*lora, *added], concurrent=0)
+
+
+def test_over_base_models_each_gain_against_its_own_base_and_every_candidate_head_to_head(monkeypatch, tmp_path):
+    """`--data-seeds 5,6`: each base model (its data seed's splits and the tiny model built on them) gets its own
+    trainings and its own base score per split (scored once); the choice is by the mean over the bases, and the
+    chosen setting is trained per base and seed on test, each gain against its own base. `--report-all`: no choice,
+    every candidate on test. The trainings and evaluations are answered with result files, as in the resume test
+    (the real protocol run is above)."""
+    from workbench import tinymodel
+    from workbench.evaluation.evaluate import Evaluation, Summary
+    from workbench.experiments import protocol
+    from workbench.serving import shared
+
+    calls, scored, built = [], [], []
+    base_score = {0: 0.5, 5: 0.40, 6: 0.60}
+    lift = {"recipe": 0.10, "dynamic": 0.15}
+
+    def fake_workbench(args, log):
+        calls.append(args)
+        opts = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("--"))
+        run = RunDir(Path(opts["monitor.runs_dir"]) / "run")
+        run.train.make()
+        tokens = 1000 * int(opts["trainer.seed"]) + 1
+        run.train.summary.write_text(json.dumps({"train_seconds": 10.0, "generated_tokens": tokens}))
+        run.train.final.mkdir()
+        (run.train.final / "model.safetensors").write_bytes(b"")
+        (run.path / "recipe.yaml").write_text("name: smoke\n")
+        name = "dynamic" if "rollout.dynamic_sampling=true" in args else "recipe"
+        (run.train.final / "who").write_text(f"{name} {opts.get('data.seed', 0)} {opts.get('model.tiny.seed', 0)}")
+
+    def fake_evaluate(rr, models, stage, server, log):
+        d = rr.recipe.data.seed
+        scored.append((rr.recipe.eval.split, d, list(models)))
+        summaries = []
+        for label, path in models.items():
+            if label == "base":
+                accuracy = base_score[d]
+            else:
+                name, data_seed, tiny_seed = (Path(path) / "who").read_text().split()
+                assert int(data_seed) == int(tiny_seed) == d  # trained on the base it is scored against
+                accuracy = base_score[d] + lift[name]
+            summaries.append(Summary(label, path, 12, 1, accuracy_mean=accuracy, split=rr.recipe.eval.split))
+        evaluation = Evaluation(summaries, [])
+        evaluation.save(stage)
+        return evaluation
+
+    monkeypatch.setattr(protocol, "_workbench", fake_workbench)
+    monkeypatch.setattr(protocol, "_evaluate", fake_evaluate)
+    monkeypatch.setattr(shared.SharedServer, "open", lambda self, rr, model: None)
+    monkeypatch.setattr(tinymodel, "ensure_model",
+                        lambda rr, log=print: built.append((rr.recipe.data.seed, rr.recipe.model.tiny.seed)) or "/m")
+    dynamic = protocol.Candidate("dynamic", ["rollout.dynamic_sampling=true"])
+    result, _ = protocol.run("smoke", [dynamic], 0, [1, 2], [f"monitor.runs_dir={tmp_path / 'bases'}"],
+                             log=lambda *_: None, data_seeds=[5, 6])
+    labels = [a[-1].rsplit("/", 1)[1] for a in calls]
+    assert labels == ["c0-data5-seed0-validation", "c1-data5-seed0-validation", "c0-data6-seed0-validation",
+                      "c1-data6-seed0-validation", *[f"c1-data{d}-seed{s}-heldout" for d in (5, 6) for s in (1, 2)]]
+    assert set(built) == {(5, 5), (6, 6)}
+    # each (split, base) evaluated once, its base scored in it
+    assert [(split, d, models[0]) for split, d, models in scored] == [
+        ("validation", 5, "base"), ("validation", 6, "base"), ("heldout", 5, "base"), ("heldout", 6, "base")]
+    assert result.chosen == "dynamic"  # the higher mean over the bases
+    assert len(result.test) == 4 and [(o.data_seed, o.seed) for o in result.picked] == [(5, 0), (6, 0)]
+    for o in result.test:
+        assert o.base == base_score[o.data_seed] and o.gain == pytest.approx(lift[o.candidate])
+        assert o.generated_tokens == 1000 * o.seed + 1
+    assert result.base_means() == pytest.approx({5: 15.0, 6: 15.0})
+    assert "gain +15.0 ± 0.0 points over 4 trainings (2 base model(s) x 2 seed(s))" in result.headline()
+    assert "per base model (data seed: mean gain): 5: +15.0, 6: +15.0" in result.markdown()
+    assert Protocol.from_json(json.loads(json.dumps(result.to_json()))) == result
+
+    calls.clear()
+    result, _ = protocol.run("smoke", [dynamic], 0, [1, 2], [f"monitor.runs_dir={tmp_path / 'both'}"],
+                             log=lambda *_: None, report_all=True)
+    assert [a[-1].rsplit("/", 1)[1] for a in calls] == ["c0-seed1-heldout", "c1-seed1-heldout", "c0-seed2-heldout",
+                                                        "c1-seed2-heldout"]  # nothing on validation
+    assert result.chosen is None and result.validation == [] and result.picked == []
+    assert result.gains("recipe") == pytest.approx([0.10, 0.10]) and result.gains("dynamic") == pytest.approx(
+        [0.15, 0.15])
+    table = result.markdown()
+    assert "no choice on validation" in table and "every candidate" in table
+    assert result.headline("dynamic") in table and result.headline("recipe") in table
+    assert "1,501 completion tokens generated per training" in result.headline("recipe")  # seeds 1 and 2
+    assert set(result.to_json()["by_candidate"]) == {"recipe", "dynamic"}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["data.seed=3"], "sets what --data-seeds varies"),
+    (["data.name=gsm8k"], "--data-seeds varies the generated splits"),
+])
+def test_data_seeds_need_the_tiny_model_on_generated_splits(extra, message):
+    from workbench.experiments.protocol import check
+
+    with pytest.raises(WorkbenchError, match=message):
+        check("smoke", [Candidate("recipe", [])], 0, [1], extra, data_seeds=[0, 1])
+    with pytest.raises(WorkbenchError, match="must be distinct"):
+        check("smoke", [Candidate("recipe", [])], 0, [1], [], data_seeds=[1, 1])

@@ -312,14 +312,16 @@ def cmd_protocol(args: argparse.Namespace) -> int:
     if choose is not None and len(choose) != 1:
         raise WorkbenchError(f"--choose-seed {args.choose_seed!r} names {len(choose)} seeds", "give one, e.g. --choose-seed 0")
     candidates = [protocol.parse_candidate(text) for text in args.candidate or []]
+    data_seeds = _seed_list(args.data_seeds, "--data-seeds") if args.data_seeds is not None else []
     if args.resume:
-        if candidates or args.overrides or choose is not None or args.recipe or args.concurrent != 1:
+        if (candidates or args.overrides or choose is not None or args.recipe or args.concurrent != 1 or data_seeds
+                or args.report_all):
             raise WorkbenchError("--resume continues a protocol with its own recipe, candidates and choice seed",
                                  "pass only --resume RUN (and --seeds to add test seeds)")
         protocol.run("", [], 0, seeds or [], resume=args.resume)
     else:
         protocol.run(args.recipe or "cpu-tiny", candidates, choose[0] if choose else 0, seeds or [1, 2, 3],
-                     args.overrides, concurrent=args.concurrent)
+                     args.overrides, concurrent=args.concurrent, data_seeds=data_seeds, report_all=args.report_all)
     return 0
 
 
@@ -442,6 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "with --seeds, add test seeds")
     p.add_argument("--concurrent", type=int, default=1, metavar="N",
                    help="train N at a time on the shared server (LoRA recipes: each run pushes its own adapter)")
+    p.add_argument("--data-seeds", metavar="D1,D2,...",
+                   help="base models: each data seed's splits and the tiny model built on them; the gain is reported "
+                        "over every (base, seed) pair (default: the recipe's one)")
+    p.add_argument("--report-all", action="store_true",
+                   help="train and report every candidate on the test split, not only the one chosen")
     p = add("tag", "name a run (and note why) for comparisons", "workbench.observe.compare", cmd_tag, run_dir=True)
     p.add_argument("name", help="a short name, e.g. lr-high: comparisons label the run with it")
     p.add_argument("--note", help="a sentence kept with the tag and shown in comparisons")

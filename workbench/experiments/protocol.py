@@ -4,6 +4,9 @@
         --candidate "lr 2.5e-5: trainer.learning_rate=2.5e-5" --candidate "lr 1e-4: trainer.learning_rate=1e-4" \\
         --choose-seed 0 --seeds 1,2,3
     workbench protocol --resume runs/<id>-protocol          # continue after a crash or a kill; --seeds adds seeds
+    workbench protocol --recipe cpu-tiny-async --data-seeds 0,1,2 --seeds 1,2,3     # over three base models too
+    workbench protocol --recipe cpu-tiny-async --report-all --seeds 1,2,3 \
+        --candidate "dynamic: rollout.dynamic_sampling=true"                       # both settings on test
 
 1. Choose: the recipe as it is ("recipe") and each candidate (a name, then space-separated overrides) are trained
    once with the choice's seed and evaluated on the validation split (`eval.split=validation`); the candidate whose
@@ -15,7 +18,13 @@
    (the gap between the two is the choice's optimism), which is why the choice's seed may not be a test seed.
 
 Seeds are `trainer.seed`: the data, its splits and the base model (data.seed) stay the same, so the spread is the
-training's. Each training is one `workbench train` in its own process (one after the other, so their timings do not
+training's. `--data-seeds` adds the base: each data seed is its own splits and its own tiny model (data.seed and
+model.tiny.seed), every candidate is trained once per base on validation and chosen by its mean over the bases,
+and the test seeds are trained on every base; the result is the gain's mean ± std over every (base, seed) pair,
+each gain against its own base, with each base's mean shown. `--report-all` is a head-to-head comparison of
+settings fixed beforehand: no choice (nothing is trained on validation), every candidate trained per base and test
+seed and reported on the test split, each training with the completion tokens it generated (a setting that
+generates more per step is compared at its real cost). Each training is one `workbench train` in its own process (one after the other, so their timings do not
 compete for cores), under RUN/protocol/runs/<label>/. Every model is scored once per split: one evaluation of the
 base and all the split's trained models together, after their trainings, in this process (the base's score is the
 same number for every training of the split). The trainings and the evaluations share one server (serving/shared.py:
@@ -71,6 +80,8 @@ class Outcome:
     base: float
     trained: float
     train_seconds: float | None = None
+    data_seed: int | None = None  # the base model and splits (--data-seeds); None: the recipe's own
+    generated_tokens: int | None = None  # completion tokens the training generated (its summary)
 
     @property
     def gain(self) -> float:
@@ -87,6 +98,8 @@ class Training:
     split: str
     run: str
     train_seconds: float | None = None
+    data_seed: int | None = None
+    generated_tokens: int | None = None
 
 
 @dataclass
@@ -105,38 +118,94 @@ class Protocol:
     test: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
     concurrent: int = 1  # trainings at once on the shared LoRA server (--concurrent)
+    data_seeds: list[int] = field(default_factory=list)  # base models (--data-seeds); empty: the recipe's one
+    report_all: bool = False  # every candidate trained and scored on test, not only the chosen one
+    picked: list[Outcome] = field(default_factory=list)  # the choice's model on test, per base (`selected`: first)
 
-    def gains(self) -> list[float]:
-        return [o.gain for o in self.test]
+    @property
+    def bases(self) -> list[int | None]:
+        return list(self.data_seeds) or [None]
 
-    def headline(self) -> str:
-        gains = [g * 100 for g in self.gains()]
+    @property
+    def reported(self) -> list[str]:
+        """The candidates trained and scored on the test split."""
+        if self.report_all:
+            return [c.name for c in self.candidates]
+        return [self.chosen] if self.chosen else []
+
+    def _name(self, candidate: str | None) -> str | None:
+        return candidate or self.chosen or next(iter(self.reported), None)
+
+    def gains(self, candidate: str | None = None) -> list[float]:
+        name = self._name(candidate)
+        return [o.gain for o in self.test if o.candidate == name]
+
+    def headline(self, candidate: str | None = None) -> str:
+        name = self._name(candidate)
+        test = [o for o in self.test if o.candidate == name]
+        gains = [o.gain * 100 for o in test]
         if not gains:
             return "no test result yet"
         spread = f" ± {statistics.stdev(gains):.1f}" if len(gains) > 1 else ""
-        base = statistics.fmean(o.base for o in self.test) * 100
-        trained = statistics.fmean(o.trained for o in self.test) * 100
-        return (f"{self.chosen}: test accuracy {base:.1f}% → {trained:.1f}%, gain {statistics.fmean(gains):+.1f}"
-                f"{spread} points over {len(gains)} seed(s) (mean ± sample std; settings chosen on the validation "
-                f"split with seed {self.choose_seed})")
+        base = statistics.fmean(o.base for o in test) * 100
+        trained = statistics.fmean(o.trained for o in test) * 100
+        over = f"{len(gains)} seed(s)"
+        if self.data_seeds:
+            over = (f"{len(gains)} trainings ({len({o.data_seed for o in test})} base model(s) x "
+                    f"{len({o.seed for o in test})} seed(s))")
+        tokens = [o.generated_tokens for o in test if o.generated_tokens]
+        cost = f"; {statistics.fmean(tokens):,.0f} completion tokens generated per training" if tokens else ""
+        how = ("settings fixed beforehand, every one reported" if self.report_all else
+               f"settings chosen on the validation split with seed {self.choose_seed}")
+        return (f"{name}: test accuracy {base:.1f}% → {trained:.1f}%, gain {statistics.fmean(gains):+.1f}"
+                f"{spread} points over {over} (mean ± sample std; {how}){cost}")
+
+    def base_means(self, candidate: str | None = None) -> dict[int | None, float]:
+        """Per base model, the mean test gain (points) of a candidate."""
+        name = self._name(candidate)
+        out = {}
+        for d in self.bases:
+            gains = [o.gain * 100 for o in self.test if o.candidate == name and o.data_seed == d]
+            if gains:
+                out[d] = statistics.fmean(gains)
+        return out
 
     def markdown(self) -> str:
-        lines = [f"Settings chosen on the validation split (trainer.seed={self.choose_seed}):", "",
-                 "| candidate | overrides | validation base → trained | gain | chosen |", "|---|---|---|---|---|"]
+        based = bool(self.data_seeds)
+        base_col, base_sep = ("| base (data seed) ", "|---") if based else ("", "")
         by_name = {c.name: c for c in self.candidates}
+        lines = [f"Settings chosen on the validation split (trainer.seed={self.choose_seed}"
+                 + (", by the mean over the base models" if based else "") + "):", "",
+                 f"| candidate {base_col}| overrides | validation base → trained | gain | chosen |",
+                 f"|---{base_sep}|---|---|---|---|"]
+        if self.report_all:
+            lines = ["Settings fixed beforehand, compared on the test split (no choice on validation):", "",
+                     *(f"- {c.name}: `{' '.join(c.overrides) or '(as the recipe)'}`" for c in self.candidates)]
         for o in self.validation:
             over = " ".join(by_name[o.candidate].overrides) or "(as the recipe)"
-            lines.append(f"| {o.candidate} | `{over}` | {o.base:.1%} → {o.trained:.1%} | {o.gain * 100:+.1f} | "
+            where = f"| {o.data_seed} " if based else ""
+            lines.append(f"| {o.candidate} {where}| `{over}` | {o.base:.1%} → {o.trained:.1%} | {o.gain * 100:+.1f} | "
                          f"{'**yes**' if o.candidate == self.chosen else ''} |")
-        lines += ["", f"Reported on the test split ({TEST}), the chosen setting trained afresh per seed:", "",
-                  "| seed | test base → trained | gain | training s | run |", "|---|---|---|---|---|"]
+        what = "every candidate" if self.report_all else "the chosen setting"
+        lines += ["", f"Reported on the test split ({TEST}), {what} trained afresh per seed:", "",
+                  f"| candidate {base_col}| seed | test base → trained | gain | completion tokens | training s | run |",
+                  f"|---{base_sep}|---|---|---|---|---|---|"]
         for o in self.test:
             secs = f"{o.train_seconds:.0f}" if o.train_seconds is not None else "—"
-            lines.append(f"| {o.seed} | {o.base:.1%} → {o.trained:.1%} | {o.gain * 100:+.1f} | {secs} | {o.run} |")
-        lines += ["", self.headline()]
-        if self.selected is not None:
-            s = self.selected
-            lines.append(f"The model the choice picked (seed {s.seed}), on the test split: {s.base:.1%} → "
+            tokens = f"{o.generated_tokens:,}" if o.generated_tokens else "—"
+            where = f"| {o.data_seed} " if based else ""
+            lines.append(f"| {o.candidate} {where}| {o.seed} | {o.base:.1%} → {o.trained:.1%} | {o.gain * 100:+.1f} | "
+                         f"{tokens} | {secs} | {o.run} |")
+        lines.append("")
+        for name in self.reported:
+            lines.append(self.headline(name))
+            means = self.base_means(name)
+            if based and means:
+                lines.append("  per base model (data seed: mean gain): "
+                             + ", ".join(f"{d}: {g:+.1f}" for d, g in means.items()))
+        for s in self.picked or ([self.selected] if self.selected is not None else []):
+            on = f" on base {s.data_seed}" if s.data_seed is not None else ""
+            lines.append(f"The model the choice picked (seed {s.seed}{on}), on the test split: {s.base:.1%} → "
                          f"{s.trained:.1%} ({s.gain * 100:+.1f}); not part of the result (picked for its validation "
                          "score).")
         return "\n".join(lines + [""])
@@ -147,6 +216,9 @@ class Protocol:
         gains = self.gains()
         out["test_gain_mean"] = statistics.fmean(gains) if gains else None
         out["test_gain_std"] = statistics.stdev(gains) if len(gains) > 1 else None
+        out["by_candidate"] = {name: {"headline": self.headline(name), "gains": self.gains(name),
+                                      "base_means": {str(d): g for d, g in self.base_means(name).items()}}
+                               for name in self.reported}
         return out
 
     @classmethod
@@ -158,7 +230,8 @@ class Protocol:
                    dict(data.get("base_evaluation") or {}),
                    [Outcome(**o) for o in data.get("validation") or []], data.get("chosen"),
                    outcome(data.get("selected")), [Outcome(**o) for o in data.get("test") or []],
-                   data.get("seconds") or 0.0, int(data.get("concurrent") or 1))
+                   data.get("seconds") or 0.0, int(data.get("concurrent") or 1), list(data.get("data_seeds") or []),
+                   bool(data.get("report_all")), [Outcome(**o) for o in data.get("picked") or []])
 
     def training(self, label: str) -> Training | None:
         return next((t for t in self.trainings if t.label == label), None)
@@ -222,8 +295,13 @@ def concurrent_overrides(recipe_name: str, candidates: list[Candidate], common: 
     return added
 
 
+def data_overrides(data_seed: int | None) -> list[str]:
+    """What one base model is: its data seed's splits and the tiny model built from them with that seed."""
+    return [] if data_seed is None else [f"data.seed={data_seed}", f"model.tiny.seed={data_seed}"]
+
+
 def check(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: list[int],
-          common: list[str], concurrent: int = 1) -> None:
+          common: list[str], concurrent: int = 1, data_seeds: list[int] | None = None) -> None:
     """Everything that would stop the protocol after hours, refused before its first training: seeds, names,
     overrides that load, a validation split to choose on, evaluation rows on both splits, candidates that change
     the data or the evaluation."""
@@ -237,6 +315,19 @@ def check(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds
                              "choose with a seed that is not among --seeds, e.g. --choose-seed 0 --seeds 1,2,3")
     if concurrent < 1:
         raise WorkbenchError(f"--concurrent {concurrent}", "train 1 or more at once")
+    data_seeds = list(data_seeds or [])
+    if len(set(data_seeds)) != len(data_seeds):
+        raise WorkbenchError(f"--data-seeds {data_seeds} must be distinct", "e.g. --data-seeds 0,1,2")
+    if data_seeds:
+        fixed = [o for o in common if _key(o) in ("data.seed", "model.tiny.seed")]
+        if fixed:
+            raise WorkbenchError(f"the override {fixed[0]!r} sets what --data-seeds varies",
+                                 "drop it, or drop --data-seeds")
+        r = recipe.load(recipe_name, common)
+        if r.data.name != "arithmetic" or r.data.path or r.model.path != "tiny":
+            raise WorkbenchError(f"--data-seeds varies the generated splits and the tiny model built on them, but the "
+                                 f"recipe trains {r.model.path!r} on {r.data.path or r.data.name!r}",
+                                 "use --data-seeds with the tiny model on arithmetic (cpu-tiny, cpu-tiny-async)")
     names = [c.name for c in candidates]
     if len(set(names)) != len(names):
         raise WorkbenchError(f"two candidates share a name: {names}", "give each candidate its own name")
@@ -251,9 +342,9 @@ def check(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds
                                  "different problems or scoring",
                                  "vary only training settings (trainer., rewards., rollout., server.); data, model "
                                  "and eval settings go before the options, for every candidate")
-        for split in (VALIDATION, TEST):
+        for split, d in ((split, d) for split in (VALIDATION, TEST) for d in data_seeds or [None]):
             try:
-                r = recipe.load(recipe_name, [*common, *c.overrides, f"eval.split={split}"])
+                r = recipe.load(recipe_name, [*common, *data_overrides(d), *c.overrides, f"eval.split={split}"])
             except WorkbenchError as exc:
                 raise WorkbenchError(f"candidate {c.name!r}: {exc.cause}", exc.fix) from None
             if r.data.path:
@@ -393,9 +484,15 @@ def _split_out(evaluation, base_samples: list, base_summary, label: str, run: Ru
     report.build(run)
 
 
-def _label(index: int, seed: int, split: str) -> str:
+def _label(index: int, seed: int, split: str, data_seed: int | None = None) -> str:
     """The name of one training's (or evaluation's) directory and log under RUN/protocol/."""
-    return f"c{index}-seed{seed}-{split}"
+    base = "" if data_seed is None else f"data{data_seed}-"
+    return f"c{index}-{base}seed{seed}-{split}"
+
+
+def _base_key(split: str, data_seed: int | None) -> str:
+    """Where a split's base score is kept: the split, or the split of one base model."""
+    return split if data_seed is None else f"{split}@data{data_seed}"
 
 
 def _fresh(directory: Path) -> None:
@@ -405,8 +502,8 @@ def _fresh(directory: Path) -> None:
 
 
 def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: list[int],
-        common: list[str] | None = None, resume: str | Path | None = None, log=print, concurrent: int = 1
-        ) -> tuple[Protocol, RunDir]:
+        common: list[str] | None = None, resume: str | Path | None = None, log=print, concurrent: int = 1,
+        data_seeds: list[int] | None = None, report_all: bool = False) -> tuple[Protocol, RunDir]:
     """Choose on validation, report on test (module docstring); saves and returns the protocol and its run. With
     `resume`, an earlier protocol's directory: its recorded trainings and evaluations are kept, the rest done;
     `seeds` may add test seeds to it."""
@@ -422,17 +519,19 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
                                  "pass the directory `workbench protocol` printed (runs/<id>-protocol)")
         result = Protocol.from_json(json.loads(out.protocol.json.read_text()))
         result.seeds += [s for s in seeds if s not in result.seeds]
-        check(result.recipe, result.candidates, result.choose_seed, result.seeds, result.common, result.concurrent)
+        check(result.recipe, result.candidates, result.choose_seed, result.seeds, result.common, result.concurrent,
+              result.data_seeds)
         log(f"resuming {out.path}: {len(result.trainings)} training(s), {len(result.validation)} validation and "
             f"{len(result.test)} test result(s) kept")
     else:
         common = list(common or [])
         candidates = [Candidate(BASELINE, []), *candidates]
-        check(recipe_name, candidates, choose_seed, seeds, common, concurrent)
+        check(recipe_name, candidates, choose_seed, seeds, common, concurrent, data_seeds)
         # LoRA candidates: one server that loads every candidate's adapter (and, concurrent, runs them at once)
         common = [*common, *concurrent_overrides(recipe_name, candidates, common, concurrent)]
         out = RunDir.create(recipe.load(recipe_name, common), "protocol")
-        result = Protocol(recipe_name, choose_seed, list(seeds), candidates, common, concurrent=concurrent)
+        result = Protocol(recipe_name, choose_seed, list(seeds), candidates, common, concurrent=concurrent,
+                          data_seeds=list(data_seeds or []), report_all=report_all)
     stage = out.protocol.make()
     started = time.time() - result.seconds
     shared = SharedServer(stage.server, log)
@@ -442,8 +541,8 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
         write_atomic(stage.json, json.dumps(result.to_json(), indent=2))
         write_atomic(stage.table, result.markdown())
 
-    def resolved(overrides: list[str]):
-        return recipe.resolve(recipe.load(result.recipe, [*result.common, *overrides]))
+    def resolved(overrides: list[str], data_seed: int | None = None):
+        return recipe.resolve(recipe.load(result.recipe, [*result.common, *data_overrides(data_seed), *overrides]))
 
     def share(rr) -> None:
         """The protocol's one server for what comes next, when it can be started: else each process its own."""
@@ -453,115 +552,145 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
             shared.close()
             log(f"(no shared server: {exc.cause.splitlines()[0][:200]}; each training starts its own)")
 
-    def train(c: Candidate, index: int, seed: int, split: str, answer: bool = True, record: bool = True) -> Training:
-        label = _label(index, seed, split)
+    def train(c: Candidate, index: int, seed: int, split: str, data_seed: int | None = None, answer: bool = True,
+              record: bool = True) -> Training:
+        label = _label(index, seed, split, data_seed)
         directory = stage.runs / label
         done = _finished(directory)
         if done is None:
             _fresh(directory)
             overrides = [*c.overrides, f"trainer.seed={seed}", f"eval.split={split}"]
             if answer:  # concurrent trainings: the batch opened the server and answers for all of them
-                share(resolved(overrides))
-            log(f"[{time.time() - started:5.0f}s] {c.name!r}, seed {seed}: train, to be scored on {split} "
+                share(resolved(overrides, data_seed))
+            on = f" on base {data_seed}" if data_seed is not None else ""
+            log(f"[{time.time() - started:5.0f}s] {c.name!r}, seed {seed}{on}: train, to be scored on {split} "
                 f"(log: {out.protocol_log(label)})")
             with shared.answering() if answer else contextlib.nullcontext():
-                _workbench(["train", "--recipe", result.recipe, *result.common, *overrides,
-                            f"monitor.runs_dir={directory}"], out.protocol_log(label))
+                _workbench(["train", "--recipe", result.recipe, *result.common, *data_overrides(data_seed),
+                            *overrides, f"monitor.runs_dir={directory}"], out.protocol_log(label))
             done = _finished(directory)
             if done is None:
                 raise WorkbenchError(f"the training {label} ended without its final model",
                                      f"see {out.protocol_log(label)}")
         summary = json.loads(done.train.summary.read_text())
-        training = Training(label, c.name, seed, split, str(done.path), summary.get("train_seconds"))
+        training = Training(label, c.name, seed, split, str(done.path), summary.get("train_seconds"), data_seed,
+                            summary.get("generated_tokens"))
         if record:
             result.trainings.append(training)
             save()
         return training
 
-    def train_all(jobs: list[tuple[Candidate, int, int, str]]) -> None:
+    def train_all(jobs: list[tuple[Candidate, int, int, str, int | None]]) -> None:
         """The jobs one after the other, or `result.concurrent` at a time on the shared LoRA server: each training
         adopts it and pushes its own adapter (serving/sync.py LoraSync)."""
-        jobs = [j for j in jobs if not result.training(_label(j[1], j[2], j[3]))]
+        jobs = [j for j in jobs if not result.training(_label(j[1], j[2], j[3], j[4]))]
         if result.concurrent <= 1 or len(jobs) < 2:
             for job in jobs:
                 train(*job)
             return
-        c, _, seed, split = jobs[0]
-        share(resolved([*c.overrides, f"trainer.seed={seed}", f"eval.split={split}"]))
-        if shared.server is None:
-            raise WorkbenchError("--concurrent needs the protocol's shared server, which did not start",
-                                 "read the shared server's log under RUN/protocol/server, or drop --concurrent")
-        log(f"[{time.time() - started:5.0f}s] {len(jobs)} trainings, {result.concurrent} at a time on "
-            f"{shared.server.url}")
-        def record(training: Training) -> None:  # a finished training is kept for --resume
-            result.trainings.append(training)
-            save()
+        for d in dict.fromkeys(j[4] for j in jobs):  # one base model at a time: the shared server serves it
+            batch = [j for j in jobs if j[4] == d]
+            c, _, seed, split, _ = batch[0]
+            share(resolved([*c.overrides, f"trainer.seed={seed}", f"eval.split={split}"], d))
+            if shared.server is None:
+                raise WorkbenchError("--concurrent needs the protocol's shared server, which did not start",
+                                     "read the shared server's log under RUN/protocol/server, or drop --concurrent")
+            log(f"[{time.time() - started:5.0f}s] {len(batch)} trainings, {result.concurrent} at a time on "
+                f"{shared.server.url}")
 
-        with shared.answering():
-            concurrently([functools.partial(train, *job, answer=False, record=False) for job in jobs],
-                         result.concurrent, record)
+            def record(training: Training) -> None:  # a finished training is kept for --resume
+                result.trainings.append(training)
+                save()
 
-    def evaluate_split(split: str, pending: list[tuple[Training, RunDir]]) -> dict[str, Outcome]:
-        """One evaluation of the split: the base (unless scored already) and every pending model, each once; each
-        pending training's run gets its part. Returns the outcome by label."""
+            with shared.answering():
+                concurrently([functools.partial(train, *job, answer=False, record=False) for job in batch],
+                             result.concurrent, record)
+
+    def evaluate_split(split: str, data_seed: int | None, pending: list[tuple[Training, RunDir]]
+                       ) -> dict[str, Outcome]:
+        """One evaluation of the split on one base: the base (unless scored already) and every pending model, each
+        once; each pending training's run gets its part. Returns the outcome by label."""
         if not pending:
             return {}
-        rr = resolved([f"eval.split={split}"])
-        models = {} if split in result.base else {"base": "base"}
+        key = _base_key(split, data_seed)
+        rr = resolved([f"eval.split={split}"], data_seed)
+        models = {} if key in result.base else {"base": "base"}
         models.update({t.label: str(RunDir(t.run).train.final) for t, _ in pending})
         # named by what the split had scored before it: an evaluation that was interrupted is set aside and redone
-        before = len(result.validation) if split == VALIDATION else len(result.test) + (result.selected is not None)
-        directory = stage.runs / (f"eval-{split}" if before == 0 else f"eval-{split}-after-{before}")
+        done = result.validation if split == VALIDATION else result.test + result.picked
+        before = len([o for o in done if o.data_seed == data_seed])
+        if split == TEST and not result.picked and result.selected is not None:
+            before += 1  # a protocol from before the picked list
+        name = f"eval-{split}" if data_seed is None else f"eval-data{data_seed}-{split}"
+        directory = stage.runs / (name if before == 0 else f"{name}-after-{before}")
         _fresh(directory)
         into = RunDir.at(directory, rr.recipe)
-        log(f"[{time.time() - started:5.0f}s] evaluate on {split}: {', '.join(models)}")
+        log(f"[{time.time() - started:5.0f}s] evaluate on {split}" + (f" (base {data_seed})" if data_seed is not None
+                                                                      else "") + f": {', '.join(models)}")
         share(rr)
         evaluation = _evaluate(rr, models, into.eval, shared.server if shared.serves(rr, ensure_model(rr)) else None,
                                log)
         by = evaluation.by_model()
         if "base" in by:
-            result.base[split], result.base_evaluation[split] = by["base"].accuracy_mean, str(directory)
-        earlier = Evaluation.load(RunDir(result.base_evaluation[split]).eval)
+            result.base[key], result.base_evaluation[key] = by["base"].accuracy_mean, str(directory)
+        earlier = Evaluation.load(RunDir(result.base_evaluation[key]).eval)
         base_summary = earlier.by_model()["base"]
         base_samples = [s for s in earlier.samples if s.model == "base"]
         outcomes = {}
         for t, run in pending:
             _split_out(evaluation, base_samples, base_summary, t.label, run, rr)
-            outcomes[t.label] = Outcome(t.candidate, t.seed, split, t.run, result.base[split],
-                                        by[t.label].accuracy_mean, t.train_seconds)
+            outcomes[t.label] = Outcome(t.candidate, t.seed, split, t.run, result.base[key],
+                                        by[t.label].accuracy_mean, t.train_seconds, data_seed, t.generated_tokens)
         return outcomes
 
+    names = [c.name for c in result.candidates]
     try:
-        # 1. choose on the validation split
-        train_all([(c, i, result.choose_seed, VALIDATION) for i, c in enumerate(result.candidates)])
-        scored = {o.candidate for o in result.validation}
-        pending = [(t, RunDir(t.run)) for t in result.trainings
-                   if t.split == VALIDATION and t.candidate not in scored]
-        for label, outcome in evaluate_split(VALIDATION, pending).items():
-            result.validation.append(outcome)
-        result.validation.sort(key=lambda o: [c.name for c in result.candidates].index(o.candidate))
+        # 1. choose on the validation split: every candidate once per base model, with the choice's seed (a
+        # head-to-head comparison, --report-all, has nothing to choose)
+        validate = not result.report_all
+        train_all([] if not validate else [(c, i, result.choose_seed, VALIDATION, d) for d in result.bases
+                   for i, c in enumerate(result.candidates)])
+        for d in result.bases if validate else []:
+            scored = {o.run for o in result.validation}
+            pending = [(t, RunDir(t.run)) for t in result.trainings
+                       if t.split == VALIDATION and t.data_seed == d and t.run not in scored]
+            result.validation += evaluate_split(VALIDATION, d, pending).values()
+        result.validation.sort(key=lambda o: (result.bases.index(o.data_seed), names.index(o.candidate)))
         save()
-        best = max(result.validation, key=lambda o: o.trained)  # max keeps the first of equals: the recipe
-        result.chosen = best.candidate
-        index = next(i for i, c in enumerate(result.candidates) if c.name == result.chosen)
-        chosen = result.candidates[index]
-        log(f"chosen on validation: {chosen.name!r} ({best.base:.1%} → {best.trained:.1%})")
 
-        # 2. report on the test split: the chosen setting trained afresh per seed, and the picked model itself
-        train_all([(chosen, index, seed, TEST) for seed in result.seeds])
-        pending = [(t, RunDir(t.run)) for t in result.trainings
-                   if t.split == TEST and t.seed not in {o.seed for o in result.test}]
-        picked = None
-        if result.selected is None:  # the picked model on test: information, not the result
-            picked_from = result.training(_label(index, result.choose_seed, VALIDATION))
-            picked = Training(_label(index, result.choose_seed, TEST), chosen.name, result.choose_seed, TEST,
-                              picked_from.run, picked_from.train_seconds)
-            _fresh(stage.runs / picked.label)
-            pending.append((picked, RunDir.at(stage.runs / picked.label, resolved([f"eval.split={TEST}"]).recipe)))
-        outcomes = evaluate_split(TEST, pending)
-        if picked is not None:
-            result.selected = outcomes.pop(picked.label)
-        result.test += sorted(outcomes.values(), key=lambda o: result.seeds.index(o.seed))
+        def mean_trained(name: str) -> float:  # one base: its accuracy; several: the mean (the same bases each)
+            return statistics.fmean(o.trained for o in result.validation if o.candidate == name)
+
+        index = chosen = None
+        if validate:
+            result.chosen = max(names, key=mean_trained)  # max keeps the first of equals: the recipe
+            index = names.index(result.chosen)
+            chosen = result.candidates[index]
+            log(f"chosen on validation: {chosen.name!r} (mean trained accuracy {mean_trained(chosen.name):.1%})")
+
+        # 2. report on the test split: the chosen setting (or every one) trained afresh per base and seed, and the
+        # picked model itself
+        reported = [(names.index(n), result.candidates[names.index(n)]) for n in result.reported]
+        train_all([(c, i, seed, TEST, d) for d in result.bases for seed in result.seeds for i, c in reported])
+        for d in result.bases:
+            scored = {o.run for o in result.test}
+            pending = [(t, RunDir(t.run)) for t in result.trainings
+                       if t.split == TEST and t.data_seed == d and t.run not in scored]
+            picked = None
+            if chosen is not None and not any(o.data_seed == d for o in result.picked) and (
+                    d is not None or result.selected is None):
+                picked_from = result.training(_label(index, result.choose_seed, VALIDATION, d))
+                picked = Training(_label(index, result.choose_seed, TEST, d), chosen.name, result.choose_seed, TEST,
+                                  picked_from.run, picked_from.train_seconds, d, picked_from.generated_tokens)
+                _fresh(stage.runs / picked.label)
+                pending.append((picked, RunDir.at(stage.runs / picked.label,
+                                                  resolved([f"eval.split={TEST}"], d).recipe)))
+            outcomes = evaluate_split(TEST, d, pending)
+            if picked is not None:
+                result.picked.append(outcomes.pop(picked.label))
+                result.selected = result.selected or result.picked[0]
+            result.test += sorted(outcomes.values(), key=lambda o: (names.index(o.candidate),
+                                                                     result.seeds.index(o.seed)))
     finally:
         shared.close()
     save()

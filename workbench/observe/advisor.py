@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from workbench.training.drift import KEY as DRIFT_KEY
+from workbench.training.dynamic import PROMPTS_PER_KEPT, UNFILLED, ZERO_SPREAD_GENERATED
 from workbench.training.groups import ZERO_SPREAD_TOP, zero_spread_key
 
 IDLE_SERVER_UTIL_PCT = 35.0      # server devices busier than this are not "idle"
@@ -193,7 +194,10 @@ def kl_spikes(records) -> Finding | None:
 
 
 def no_signal(records) -> Finding | None:
-    key = zero_spread_key(records.metrics)
+    """Most groups without reward spread. Under dynamic sampling the batch that trains is refilled, so the share
+    read is the generated one (training/dynamic.py), and the finding says what the refills cost."""
+    dynamic = any(ZERO_SPREAD_GENERATED in r for r in records.metrics)
+    key = ZERO_SPREAD_GENERATED if dynamic else zero_spread_key(records.metrics)
     zero = _series(records.metrics, key)
     if len(zero) < 3:
         return None
@@ -211,12 +215,24 @@ def no_signal(records) -> Finding | None:
     else:
         which = (f"{1 - statistics.fmean(top):.0%} of them are all below the batch's best reward (failed alike): "
                  "use easier prompts or a shaped reward")
+    fix = ("raise trainer.num_generations" + (f" (now {gens})" if gens else "") + " or trainer.temperature for "
+           f"more varied completions; {which}")
+    if not dynamic:
+        return Finding(
+            "no_signal", "warning", "Most groups carry no learning signal",
+            f"in the last third of the run {share:.0%} of prompt groups gave every completion the same reward "
+            f"({key}): GRPO's advantage is zero for them",
+            fix + "; or set rollout.dynamic_sampling: true to replace them with groups of further prompts (more "
+            "generation per step)")
+    tail = records.metrics[-len(last):]
+    cost = statistics.fmean(_series(tail, PROMPTS_PER_KEPT) or [1.0])
+    unfilled = statistics.fmean(_series(tail, UNFILLED) or [0.0])
     return Finding(
-        "no_signal", "warning", "Most groups carry no learning signal",
-        f"in the last third of the run {share:.0%} of prompt groups gave every completion the same reward "
-        f"({key}): GRPO's advantage is zero for them",
-        "raise trainer.num_generations" + (f" (now {gens})" if gens else "") + " or trainer.temperature for more "
-        f"varied completions; {which}")
+        "no_signal", "warning", "Most generated groups carry no learning signal",
+        f"in the last third of the run {share:.0%} of the generated groups had no reward spread; dynamic sampling "
+        f"generated {cost:.2g} prompts per prompt trained and left {unfilled:.0%} of the batch's groups without "
+        "signal",
+        fix + ("; raise rollout.refill_cap to fill the rest (each refill is generation)" if unfilled > 0 else ""))
 
 
 def reward_unstable(records) -> Finding | None:

@@ -12,6 +12,7 @@ import html
 from workbench.observe import advisor, figures
 from workbench.observe.rundata import RunData
 from workbench.training.drift import KEY as DRIFT_KEY
+from workbench.training.dynamic import PROMPTS_PER_KEPT, UNFILLED, ZERO_SPREAD_GENERATED
 from workbench.training.groups import zero_spread_key
 
 
@@ -63,6 +64,12 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
             a, b = avg(first, key), avg(last, key)
             if a is not None:
                 out.append((f"{label} (first → last fifth)", f"{a:.3g} → {b:.3g}"))
+        a, b = avg(first, ZERO_SPREAD_GENERATED), avg(last, ZERO_SPREAD_GENERATED)
+        if a is not None:  # dynamic sampling (training/dynamic.py): what was generated, before the refill
+            out.append(("generated groups with no signal (first → last fifth)", f"{a:.3g} → {b:.3g}"))
+            out.append(("prompts generated per prompt trained", f"{avg(rows, PROMPTS_PER_KEPT):.3g} (dynamic "
+                                                                 f"sampling; {avg(rows, UNFILLED):.0%} of slots "
+                                                                 "left without signal)"))
         drift = [(r["step"], r[DRIFT_KEY]) for r in rows if isinstance(r.get(DRIFT_KEY), (int, float))]
         if drift:  # logged every monitor.drift_every steps: the newest point, and the largest so far
             step, value = drift[-1]

@@ -444,10 +444,13 @@ def _peft(recipe: Recipe) -> list[WorkbenchError]:
 
 def _rollout(recipe: Recipe) -> list[WorkbenchError]:
     """What an overlapped (async) rollout needs: a server to overlap with, one generation per optimizer step, and
-    TRL's importance-sampling correction for the step-old samples."""
-    if not recipe.rollout.overlapped:
-        return []
+    TRL's importance-sampling correction for the step-old samples. Dynamic sampling: room for at least one refill."""
     out, t = [], recipe.trainer
+    if recipe.rollout.dynamic_sampling:
+        out.append(_at_least("rollout.refill_cap", recipe.rollout.refill_cap, 0, strict=True))
+        out = [p for p in out if p is not None]
+    if not recipe.rollout.overlapped:
+        return out
     if not recipe.server.over_http:
         out.append(WorkbenchError(f"rollout.mode is 'async' but server.mode is {recipe.server.mode!r}",
                                   "async rollouts overlap a vLLM server with training: set server.mode to managed "

@@ -142,6 +142,12 @@ class RolloutConfig:
     # async: while a step trains, the server already generates the next step's batch with the weights pushed at
     # that step's start: one step stale, corrected by TRL's importance sampling (trainer.vllm_importance_sampling_*)
     mode: Literal["sync", "async"] = "sync"
+    # dynamic sampling (DAPO): a group whose completions all scored the same has zero advantage and teaches nothing;
+    # such groups are replaced by groups of further training prompts, generated in extra requests before TRL scores
+    dynamic_sampling: bool = False
+    # extra prompts allowed per step, as a multiple of the batch's prompts (2.0: up to three times the generation);
+    # slots still without signal when it is spent keep their groups, which train with zero advantage
+    refill_cap: float = 2.0
 
     @property
     def overlapped(self) -> bool:

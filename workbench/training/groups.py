@@ -46,20 +46,17 @@ def spread_tolerance(scale: float) -> float:
     return SPREAD_RTOL * abs(scale)
 
 
-def group_signal(rewards_per_func, weights, size: int, aggregation: str = "sum_then_normalize") -> dict[str, float]:
-    """The learning signal of one generation batch, from TRL's gathered rewards (completions x functions, NaN where
-    a function did not score; consecutive `size` rows are one prompt's group). With TRL's default aggregation
-    (`sum_then_normalize`) a group has no signal when its weighted totals are equal; with `normalize_then_sum` each
-    weighted function is normalised within the group, so it has none only when every such function is flat.
-    Returns `signal/zero_spread` (share of groups without spread) and, of those, `signal/zero_spread_top` (the
-    share at the batch's highest reward: all solved) — the rest sit lower (typically all failed)."""
+def flat_groups(rewards_per_func, weights, size: int, aggregation: str = "sum_then_normalize"):
+    """Per group of one generation batch, whether it carries no signal, from TRL's gathered rewards (completions x
+    functions, NaN where a function did not score; consecutive `size` rows are one prompt's group). With TRL's
+    default aggregation (`sum_then_normalize`) a group has no signal when its weighted totals are equal; with
+    `normalize_then_sum` each weighted function is normalised within the group, so it has none only when every such
+    function is flat. Returns (flat: bool per group, total: the weighted reward per completion)."""
     import numpy as np
 
     r = np.asarray(rewards_per_func, dtype=np.float64).reshape(-1, len(weights))
     w = np.asarray(weights, dtype=np.float64)
     groups = r.shape[0] // size
-    if groups == 0:
-        return {}
     unscored = np.isnan(r).all(axis=1)
     total = np.where(unscored, np.nan, np.nansum(r * w, axis=1))
     if aggregation == "normalize_then_sum":
@@ -74,6 +71,21 @@ def group_signal(rewards_per_func, weights, size: int, aggregation: str = "sum_t
             tol = spread_tolerance(np.abs(scored).max()) if scored.size else 0.0
             grouped = values[: groups * size].reshape(groups, size)
             flat &= ~(np.nanmax(grouped, axis=1) - np.nanmin(grouped, axis=1) > tol)
+    return flat, total
+
+
+def group_signal(rewards_per_func, weights, size: int, aggregation: str = "sum_then_normalize") -> dict[str, float]:
+    """The learning signal of one generation batch (arguments as `flat_groups`): `signal/zero_spread`, the share of
+    groups without spread, and, of those, `signal/zero_spread_top`, the share at the batch's highest reward (all
+    solved) — the rest sit lower (typically all failed)."""
+    import numpy as np
+
+    flat, total = flat_groups(rewards_per_func, weights, size, aggregation)
+    groups = len(flat)
+    if groups == 0:
+        return {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         means = np.nanmean(total[: groups * size].reshape(groups, size), axis=1)
     out = {ZERO_SPREAD: float(flat.mean())}
     if flat.any() and np.isfinite(total).any():

@@ -66,6 +66,8 @@ class TrainSummary:
     resumed_from: int | None = None  # the checkpoint step a resumed training continued from
     # a LoRA run: {"prefix": its adapters' names on the server, "rank", "bytes": the adapter's weights on disk}
     adapter: dict | None = None
+    # completion tokens sampled for training by every rank, refills included (a resumed run: since its resume)
+    generated_tokens: int | None = None
 
     def save(self, train_dir: TrainDir) -> Path:
         return write_atomic(train_dir.summary, json.dumps(asdict(self), indent=2))
@@ -199,6 +201,7 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
                     raise _stopped_with_checkpoint(trainer, train_dir, exc, several, log) from None
             train_seconds = time.time() - started
         trainer.save_model(str(train_dir.final))  # every rank: sharded weights are gathered collectively
+        generated = sum(accelerator.gather_for_metrics([trainer._generated_total], use_gather_object=True))
         if not main:
             return None
         trainer.processing_class.save_pretrained(str(train_dir.final))
@@ -208,7 +211,7 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
                                monitor=sampler.overhead(), processes=accelerator.num_processes,
                                restarts=_restarts_recorded(train_dir),
                                resumed_from=_checkpoint_step(resume_from) if resume_from else None,
-                               adapter=_adapter_record(rr, weight_sync, train_dir))
+                               adapter=_adapter_record(rr, weight_sync, train_dir), generated_tokens=int(generated))
         summary.save(train_dir)
         return summary
     finally:

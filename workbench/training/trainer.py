@@ -34,6 +34,7 @@ from workbench.training.canary import Canary
 from workbench.training.evalcurve import EvalCurve
 from workbench.training.config import grpo_config
 from workbench.training.drift import KEY as DRIFT_KEY, Drift
+from workbench.training.dynamic import DynamicSampler, Sample
 from workbench.training.gauge import Gauge
 from workbench.training.groups import GroupRecorder, group_signal
 from workbench.training.overlap import Ahead
@@ -57,6 +58,7 @@ class _SyncingVLLMGeneration(VLLMGeneration):
         self.server_logprobs = server_logprobs
         super().__init__(*args, **kwargs)
         self.ahead = Ahead(self) if overlap and self.mode == "server" else None
+        self.refilling = False  # a dynamic-sampling refill: asked for now, never an early batch (training/dynamic.py)
         self.curve: EvalCurve | None = None  # the learning curve (training/evalcurve.py), attached after the trainer
 
     def _init_vllm(self) -> None:
@@ -122,7 +124,7 @@ class _SyncingVLLMGeneration(VLLMGeneration):
             self.canary.compare(self.step(), trainer, server, time.perf_counter() - started, reason)
 
     def generate(self, prompts, images, num_generations, profiler=None):
-        if self.ahead is None:
+        if self.ahead is None or self.refilling:
             return super().generate(prompts, images, num_generations, profiler)
         # the batch asked for during the previous step, when these are its prompts (text only)
         taken = self.ahead.take(prompts if images is None else None, num_generations)
@@ -177,10 +179,14 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None,
                  request_timeout: float | None = None, canary: Canary | None = None,
                  recovery: Recovery | None = None, server_logprobs=None, overlap: bool = False,
-                 groups: GroupRecorder | None = None, drift: Drift | None = None, **kwargs):
+                 groups: GroupRecorder | None = None, drift: Drift | None = None,
+                 dynamic: DynamicSampler | None = None, **kwargs):
         training_args: GRPOConfig = kwargs["args"]
         self.groups = groups
         self.drift = drift
+        self.dynamic = dynamic
+        self._refilling = False  # inside a dynamic-sampling refill: its generation and scoring are not the batch's
+        self._inputs_now: list[dict] | None = None  # the generation batch's rows, while TRL generates for them
         self._batch_completion_ids: list[list[int]] = []
         wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
         self.weight_sync = weight_sync
@@ -299,7 +305,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         self._timed("generation", started)  # includes the weight sync, which is subtracted at log time
         self._completion_tokens += sum(len(ids) for ids in completion_ids)
         self._generated_total += sum(len(ids) for ids in completion_ids)
-        if self.ahead is not None:
+        if self.ahead is not None and not self._refilling:
             self._ask_ahead()
         return completion_ids, logprobs
 
@@ -307,11 +313,72 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts):
         out = super()._generate(prompts)
+        if self._refilling:
+            return out
+        if self.dynamic is not None and self.model.training:
+            out = self._refill(prompts, out)
         self._batch_completion_ids = out[1]  # this rank's completions, as TRL measures lengths and truncation
         return out
 
+    # --- dynamic sampling (workbench/training/dynamic.py): groups without spread replaced before TRL scores ---
+
+    def _refill(self, prompts: list, out: tuple) -> tuple:
+        """Between TRL's generation and its scoring: the batch's groups without reward spread exchanged for groups of
+        further prompts. `prompts` and the batch's rows are TRL's own lists, changed in place, so that everything TRL
+        computes afterwards is the batch that trains."""
+        from accelerate.utils import gather_object
+
+        prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = out
+        if tool_mask is not None or extra or images is not None or self.tools or self.rollout_func is not None:
+            raise RuntimeError("dynamic sampling handles text prompts without tools, images or a rollout_func")
+        inputs = self._inputs_now
+
+        def samples(rows, texts, got) -> list[Sample]:
+            lps = got[4] if got[4] is not None else [None] * len(rows)
+            return [Sample(*fields) for fields in zip(rows, texts, got[0], got[1], got[3], lps, strict=True)]
+
+        def generate(rows: list[dict]) -> list[Sample]:
+            texts = [row["prompt"] for row in rows]
+            started = time.perf_counter()
+            backend = getattr(self, "vllm_generation", None)
+            ours = isinstance(backend, _SyncingVLLMGeneration)
+            self._refilling = True
+            if ours:
+                backend.refilling = True
+            try:
+                return samples(rows, texts, self._generate(texts))
+            finally:
+                self._refilling = False
+                if ours:
+                    backend.refilling = False
+                self._timed("refill", started)
+
+        def score(batch: list[Sample]):
+            self._refilling = True  # the refill's and the first look's rewards: not the batch's signal metric
+            try:
+                return self._calculate_rewards([s.row for s in batch], [s.prompt for s in batch],
+                                               [s.completion for s in batch], [s.completion_ids for s in batch])
+            finally:
+                self._refilling = False
+
+        kept, metrics = self.dynamic.fill(
+            samples(inputs, prompts, out), generations=self.num_generations,
+            processes=self.accelerator.num_processes, rank=self.accelerator.process_index,
+            step=self.state.global_step, generate=generate, score=score, gather=gather_object,
+            weights=self.reward_weights.tolist(), aggregation=self.multi_objective_aggregation)
+        for key, value in metrics.items():
+            self._metrics["train"][key].append(value)
+        prompts[:] = [s.prompt for s in kept]
+        inputs[:] = [s.row for s in kept]
+        return ([s.prompt_ids for s in kept], [s.completion_ids for s in kept], None, [s.completion for s in kept],
+                None if logprobs is None else [s.logprobs for s in kept], {}, None, tool_images)
+
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        self._inputs_now = inputs
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._inputs_now = None
         if self.groups is not None and self.model.training:
             try:
                 self.groups.record(self, self._batch_completion_ids)
@@ -326,7 +393,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             rewards = super()._calculate_rewards(*args, **kwargs)  # every rank's, gathered
         finally:
             self._timed("reward", started)
-        if self.model.training:  # the workbench's own count of groups without signal (groups.group_signal)
+        if self.model.training and not self._refilling:  # the workbench's own count of groups without signal
             signal = group_signal(rewards.float().cpu().numpy(), self.reward_weights.tolist(), self.num_generations,
                                   self.multi_objective_aggregation)
             for key, value in signal.items():
@@ -346,8 +413,10 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         # the generation on the trainer's path: the whole request (sync), or the wait for an early batch (async)
         waited = max(0.0, phases.get("generation", 0.0) - sync_s - canary_s - curve_s)
         generation, staleness = waited, 0.0
+        refill = phases.get("refill", 0.0)  # dynamic sampling's extra requests, inside the generation above
         if self.ahead is not None and (batches := self.ahead.drain()):
-            generation, staleness = batches["seconds"], batches["staleness"]  # the server's own request time
+            # the server's own time for the early batches, plus the refills asked for while the trainer waited
+            generation, staleness = batches["seconds"] + refill, batches["staleness"]
         rollout = phases.get("rollout", 0.0)
         reward = phases.get("reward", 0.0)
         out = {
@@ -360,6 +429,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             "time/optimisation": max(0.0, wall - rollout) / steps,
             "time/canary": canary_s / steps,  # inside the rollout, counted in time/scoring's remainder
             "time/eval_curve": curve_s / steps,  # likewise: the learning curve's points (training/evalcurve.py)
+            "time/refill": refill / steps,  # dynamic sampling's extra generation (in time/generation, training/dynamic.py)
             "rollout/completion_tokens": tokens / steps,
             "rollout/staleness": staleness,  # optimizer steps between the sampling weights and the trained ones
         }
@@ -422,8 +492,12 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     canary = Canary.for_recipe(rr, train_dir, tokenizer, log=log) if train_dir is not None else None
     drift = Drift.for_recipe(rr, train_dir, tokenizer) if train_dir is not None else None
+    train_dataset = dataset.to_hf_dataset(rows)
+    # refills draw from the training split with the training seed: another seed, other refill prompts
+    dynamic = (DynamicSampler(train_dataset, recipe.rollout.refill_cap, seed=args.seed)
+               if recipe.rollout.dynamic_sampling else None)
     trainer = WorkbenchGRPOTrainer(
-        model=model, args=args, processing_class=tokenizer, train_dataset=dataset.to_hf_dataset(rows),
+        model=model, args=args, processing_class=tokenizer, train_dataset=train_dataset, dynamic=dynamic,
         peft_config=lora_config(rr) if recipe.lora else None,
         reward_funcs=[rewards.guarded(spec) for spec in rewardspec.specs(recipe.rewards)],
         weight_sync=weight_sync, headers=rr.headers, request_timeout=recipe.server.request_timeout_s,
