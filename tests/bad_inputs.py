@@ -56,10 +56,12 @@ CASES: list[tuple[list[str], str]] = [
     (TRAIN + ["server.api_key_env=WORKBENCH_NO_SUCH_KEY"], "server.api_key_env names $WORKBENCH_NO_SUCH_KEY, which is not set"),
     (TRAIN + ["server.mode=attach", "server.url=http://127.0.0.1:{port}"], "no server answers at http://127.0.0.1:"),
     (TRAIN + ["rollout.mode=overlap"], "rollout.mode is 'overlap'"),
+    (TRAIN + ["rollout.dynamic_sampling=true", "rollout.refill_cap=0"], "rollout.refill_cap is 0"),
     (TRAIN + ["rollout.mode=async", "server.mode=off"], "rollout.mode is 'async' but server.mode is 'off'"),
     (["train", "--recipe", "cpu-tiny", "rollout.mode=async"], "vllm_importance_sampling_correction is false"),
     (TRAIN + ["rollout.mode=async", "trainer.steps_per_generation=2"], "steps_per_generation=2"),
     (["bench", "--recipe", "smoke", "--paths", "server,turbo"], "--paths names 'turbo'"),
+    (["bench", "--recipe", "smoke", "--repeats", "0"], "--repeats 0"),
     (TRAIN + ["data.name=gsm9k"], "data.name is 'gsm9k', not a known dataset"),
     (TRAIN + ["data.name=file"], "data.path is not set"),
     (TRAIN + ["data.name=file", "data.path={tmp}/missing.jsonl"], "does not exist"),
@@ -92,6 +94,8 @@ CASES: list[tuple[list[str], str]] = [
     (TRAIN + ["eval.split=train"], "eval.split is 'train', not an arithmetic evaluation split"),
     (TRAIN + ["data.split=validation"], "arithmetic trains on its 'train' split only"),
     (["protocol", "--choose-seed", "1", "--seeds", "1,2"], "the choice's seed 1 is also a test seed"),
+    (["protocol", "--data-seeds", "1,1"], "--data-seeds [1, 1] must be distinct"),
+    (["protocol", "--data-seeds", "0,1", "data.seed=3"], "sets what --data-seeds varies"),
     (["protocol", "--candidate", "more data: data.validation_size=100"], "candidate 'more data' changes data.validation_size"),
 ]
 

@@ -191,3 +191,34 @@ def test_the_lora_lines_compare_its_push_and_decode_with_the_full_path():
     rows = [line for line in text.splitlines() if line.startswith("| 100m |")]
     assert rows[1].split("|")[2].strip() == "lora" and rows[1].rstrip(" |").endswith("10.50")
     assert bench.PATHS["lora"][-3:] == bench.LORA and "lora" in bench.OWN_SERVER
+
+
+def test_repeats_take_turns_and_each_ratio_is_paired_per_repeat_with_its_range(tmp_path):
+    """Three repeats of server and async: a path's row is its median repeat; the async/server ratio is taken within
+    each repeat (a slow moment of the machine slows both of its pair) and shown as median (range)."""
+    common = dict(size="100m", steps=4, tokens_per_step=800, generation_tokens_per_second=50.0, staleness=0.0,
+                  training_tokens_per_second=20.0, sampler_cpu_percent=None, train_dir="",
+                  breakdown={k: 1.0 for k in bench.BREAKDOWN})
+    server = [bench.PathResult(path="server", step_seconds=s, repeat=k, **common)
+              for k, s in enumerate((30.0, 40.0, 36.0))]
+    ahead = [bench.PathResult(path="async", step_seconds=s, repeat=k, **common)
+             for k, s in enumerate((21.0, 24.0, 24.0))]
+    result = bench.Bench("cpu-tiny", 4, 1, {"summary": "x"}, [server[0], ahead[0], server[1], ahead[1], server[2],
+                                                              ahead[2]], repeats=3)
+    assert result.ratios("100m", "async") == pytest.approx([0.70, 0.60, 24 / 36])
+    assert result.ratio_text("100m", "async") == "0.67 (0.60-0.70)"
+    # unpaired medians would say 24/36 too, but a pairing by position matters when the machine drifts:
+    assert result.result("100m", "server").step_seconds == 36.0 and result.result("100m", "async").repeat in (1, 2)
+    assert [(r.path, r.repeat) for r in result.medians()] == [("server", 2), ("async", 1)]
+    text = result.markdown()
+    assert "each path 3 times, taking turns" in text
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| 100m |")]
+    assert [(r[2].strip(), r[4].strip()) for r in rows] == [("server", "1.00 (1.00-1.00)"),
+                                                            ("async", "0.67 (0.60-0.70)")]
+    from workbench.rundir import StageDir
+
+    stage = StageDir(tmp_path / "bench", json="bench.json", table="bench.md", figure="bench.png")
+    result.save(stage)
+    again = bench.Bench.load(stage)
+    assert again.ratio_text("100m", "async") == "0.67 (0.60-0.70)" and again.repeats == 3
+

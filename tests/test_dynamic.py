@@ -49,7 +49,7 @@ def test_zero_spread_groups_are_replaced_by_refill_groups_with_spread_on_every_r
     def reward_of(row, k):
         return float(k % 2) if row["prompt"] in spread else 0.5
 
-    def run(rank: int) -> tuple[list[Sample], dict]:
+    def run(rank: int) -> tuple[list[Sample], dict, list]:
         mine = first[rank * 8:(rank + 1) * 8]
         asked = []
 
@@ -71,8 +71,9 @@ def test_zero_spread_groups_are_replaced_by_refill_groups_with_spread_on_every_r
         assert asked == [8]  # one round: 4 prompts x 4 completions, half to each rank
         return out
 
-    (kept0, metrics), (kept1, _) = run(0), run(1)
+    (kept0, metrics, rewards), (kept1, _, again) = run(0), run(1)
     batch = kept0 + kept1
+    assert rewards == again == [[s.row["reward"]] for s in batch]  # what TRL scores the batch with
     groups = [batch[i * G:(i + 1) * G] for i in range(4)]
     assert [g[0].prompt for g in groups] == ["p0", drawn[0]["prompt"], drawn[2]["prompt"], "p3"]
     assert all(len({s.row["reward"] for s in g}) > 1 for g in groups)  # 0.2 vs 1.2 has spread, as it should
@@ -87,7 +88,7 @@ def test_what_the_cap_leaves_unfilled_trains_as_it_was():
     def generate(part):
         return [_sample(r, 0.0) for r in part]  # nothing the refill brings has spread
 
-    out, metrics = DynamicSampler(rows, cap=1.0).fill(
+    out, metrics, _ = DynamicSampler(rows, cap=1.0).fill(
         first, generations=G, processes=1, rank=0, step=0, generate=generate,
         score=lambda samples: [[s.row["reward"]] for s in samples], gather=list, weights=[1.0],
         aggregation="sum_then_normalize")
@@ -106,29 +107,41 @@ def test_refill_cap_must_leave_room(tmp_path):
 # --- a real training ------------------------------------------------------------------------------------------
 
 STEPS = 4
+# a reward of the user's project that scores nothing but counts the completions it is asked to score
+COUNTING = """
+def counted(prompts, completions, log_path="", trainer_state=None, **kwargs):
+    if trainer_state is not None:  # TRL's calls (the workbench's probe before training passes None)
+        with open(log_path, "a") as f:
+            f.write(f"{len(completions)}\\n")
+    return [0.0] * len(completions)
+"""
 
 
 @pytest.fixture(scope="module")
 def dynamic_run(tmp_path_factory, tiny_server, server_rr, tiny_model_dir):
     """`workbench train --recipe smoke` with dynamic sampling in async mode, attached to the session's server:
     4 prompts x 4 completions a step, 4 steps, every group recorded."""
-    runs = tmp_path_factory.mktemp("dynamic")
+    project = tmp_path_factory.mktemp("dynamic")
+    (project / "counting.py").write_text(COUNTING)
+    runs = project / "runs"
     cmd = workbench_command() + [
         "train", "--recipe", "smoke", "server.mode=attach", f"server.url={tiny_server.url}",
         f"monitor.runs_dir={runs}", *KEYED, "rollout.mode=async", "rollout.dynamic_sampling=true",
         "trainer.per_device_train_batch_size=16", f"trainer.num_generations={G}", f"trainer.max_steps={STEPS}",
-        "monitor.groups_per_step=4"]
+        "monitor.groups_per_step=4",
+        f"rewards.counted={{function: counting:counted, weight: 1.0, args: {{log_path: {project / 'scored.txt'}}}}}"]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=project)
     finally:
         restore_base_weights(tiny_server, server_rr, tiny_model_dir)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (path,) = runs.glob("*-smoke-train")
-    return RunDir.open(path)
+    return RunDir.open(path), project / "scored.txt"
 
 
 def test_the_batch_that_trains_has_spread_where_the_generated_one_had_none(dynamic_run):
-    rows = [r for r in read_jsonl(dynamic_run.train.metrics) if "loss" in r]
+    run, scored = dynamic_run
+    rows = [r for r in read_jsonl(run.train.metrics) if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     # the tiny model gives some groups equal rewards (all right or all wrong): the refill had work to do
     assert sum(r[dynamic.ZERO_SPREAD_GENERATED] for r in rows) > 0
@@ -140,14 +153,18 @@ def test_the_batch_that_trains_has_spread_where_the_generated_one_had_none(dynam
         assert r["rollout/completion_tokens"] >= r[dynamic.EXTRA_TOKENS]
     # every recorded group of a filled step has reward spread and non-zero advantages: they train
     for step in (r["step"] for r in rows if r[dynamic.UNFILLED] == 0):
-        df = pd.read_parquet(dynamic_run.train.group_file(step))
+        df = pd.read_parquet(run.train.group_file(step))
         spread = df.groupby("group")["reward"].agg(lambda v: v.max() - v.min())
         assert (spread > 1e-6).all(), (step, spread)
         assert (df["advantage"].abs() > 1e-3).any()
+    # every generated completion scored once: the batch that trains is not scored again (its groups were judged
+    # by these rewards), and each refill's completions once each
+    generated = sum(round(r[dynamic.PROMPTS_PER_KEPT] * 4) * G for r in rows)
+    assert sum(int(n) for n in scored.read_text().split()) == generated
 
 
 def test_refills_do_not_take_the_early_batch_in_async_mode(dynamic_run):
-    rows = [r for r in read_jsonl(dynamic_run.train.metrics) if "loss" in r]
+    rows = [r for r in read_jsonl(dynamic_run[0].train.metrics) if "loss" in r]
     # from step 2 on each step trained the batch asked for during the step before (one step stale), not a
     # synchronous one: the refill's requests went beside it
     assert [r["rollout/staleness"] for r in rows[1:]] == [1.0] * (STEPS - 1)

@@ -281,7 +281,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     base = recipe.load(args.recipe or "cpu-tiny", args.overrides)  # the run directory follows monitor.runs_dir
     bench.run(base, steps=args.steps, warmup=args.warmup, sizes=names(args.sizes), paths=names(args.paths),
-              concurrencies=_concurrencies(args.concurrency, "--concurrency"), overrides=args.overrides)
+              concurrencies=_concurrencies(args.concurrency, "--concurrency"), overrides=args.overrides,
+              repeats=args.repeats)
     return 0
 
 
@@ -422,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
             "workbench.experiments.bench", cmd_bench)
     p.add_argument("--steps", type=int, default=4, help="measured steps per path (default: 4)")
     p.add_argument("--warmup", type=int, default=1, help="steps before the measured ones (default: 1)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="trainings per path, taking turns; ratios get their spread over them (default: 3)")
     p.add_argument("--sizes", help="comma-separated: tiny,100m (default: both for a tiny-model recipe)")
     p.add_argument("--paths", help="comma-separated: in-process,colocate,server,async (default: all)")
     p.add_argument("--concurrency", default="1,2,4", metavar="C1,C2,...",

@@ -267,9 +267,9 @@ class RunDir:
         """The output of one `workbench protocol` training (its label: candidate, seed, split)."""
         return self.protocol.logs / f"{label}.log"
 
-    def bench_training(self, size: str, path: str) -> TrainDir:
-        """One rollout path's training at one model size, in `workbench bench`."""
-        return TrainDir(self.bench.path / f"{size}-{path}")
+    def bench_training(self, size: str, path: str, repeat: int = 0) -> TrainDir:
+        """One rollout path's training at one model size, in `workbench bench` (its first repeat, or a later one)."""
+        return TrainDir(self.bench.path / (f"{size}-{path}" + (f"-r{repeat + 1}" if repeat else "")))
 
     def bench_server_logs(self, size: str) -> Path:
         """The logs of the server the served paths of one size share, in `workbench bench`."""

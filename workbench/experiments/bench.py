@@ -3,6 +3,7 @@
     workbench bench --recipe cpu-tiny                          # tiny + ~100M random-weight model, 5 paths (~15 min)
     workbench bench --recipe cpu-tiny --sizes tiny --steps 3 --warmup 1 --paths server,async
     workbench bench --recipe cpu-tiny --sizes 100m --paths server,lora    # the full push against the adapter's
+    workbench bench --recipe cpu-tiny --sizes 100m --paths server,async --repeats 3   # ratios with their spread
     notebooks/06_bench.ipynb                                   # the same, with the table and the figure inline
 
 Paths: `in-process` (TRL's own `generate` in the trainer process, server.mode off), `colocate` (TRL's vLLM engine
@@ -24,6 +25,11 @@ Against the machine (platform/limits.py, CPU): the bench measures memory read an
 throughput on the server's cores, the trainer's and both, then says for each path how close its generation came to
 the decode ceiling (read bandwidth, GEMM) and its optimisation to the GEMM throughput of the cores it ran on; and
 each weight push (megabytes, seconds, our write and the server's reload call) against the machine's copy bandwidth.
+
+Repeats (`--repeats N`, 3 from the command line): every path is trained N times, the paths taking turns (server,
+async, server, async, ...) so that a drift of the machine's speed reaches each alike. A path's row is its median
+repeat (by step time); its ratio to the server path is taken per repeat (each repeat's step against the same
+repeat's server step) and shown as the median with the range over the repeats.
 
 Output: RUN/bench/bench.json (every number, the machine and the versions), bench.md (the table), bench.png, and one
 training directory per size and path (bench/<size>-<path>/: metrics.jsonl, devices.jsonl, train.json).
@@ -94,6 +100,7 @@ class PathResult:
     sync_megabytes: float = 0.0  # median megabytes a weight push moved (0: no push)
     sync_seconds: float = 0.0  # median seconds of a push
     sync_parts: dict[str, float] = field(default_factory=dict)  # median seconds of each timed part of a push
+    repeat: int = 0  # which of the bench's repeats (0-based)
 
 
 @dataclass
@@ -109,15 +116,37 @@ class Bench:
     lora_saturation: dict[str, dict] = field(default_factory=dict)
     seconds: float = 0.0
     limits: dict | None = None  # platform/limits.py: copy bandwidth and GEMM throughput on each role's cores (CPU)
+    repeats: int = 1  # trainings per path, taking turns
+
+    def repeats_of(self, size: str, path: str) -> list[PathResult]:
+        return sorted((r for r in self.results if r.size == size and r.path == path), key=lambda r: r.repeat)
 
     def result(self, size: str, path: str) -> PathResult | None:
-        return next((r for r in self.results if r.size == size and r.path == path), None)
+        """The path's median repeat by step time (the lower of the two middle ones for an even count)."""
+        runs = sorted(self.repeats_of(size, path), key=lambda r: r.step_seconds)
+        return runs[(len(runs) - 1) // 2] if runs else None
+
+    def medians(self) -> list[PathResult]:
+        """Each (size, path) once, as its median repeat, in the order first measured."""
+        return [self.result(size, path) for size, path in dict.fromkeys((r.size, r.path) for r in self.results)]
+
+    def ratios(self, size: str, path: str, against: str = "server") -> list[float]:
+        """The path's step time over the `against` path's, repeat by repeat (pairs measured side by side)."""
+        base = {r.repeat: r.step_seconds for r in self.repeats_of(size, against)}
+        return [r.step_seconds / base[r.repeat] for r in self.repeats_of(size, path) if base.get(r.repeat)]
+
+    def ratio_text(self, size: str, path: str, against: str = "server") -> str:
+        """'0.66' for one repeat, '0.66 (0.62-0.70)' for several: the median and the range."""
+        values = self.ratios(size, path, against)
+        if not values:
+            return "—"
+        text = f"{statistics.median(values):.2f}"
+        return text + (f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else "")
 
     def rows(self) -> list[list[str]]:
         out = []
-        for r in self.results:
-            base = self.result(r.size, "server")
-            ratio = f"{r.step_seconds / base.step_seconds:.2f}" if base and base.step_seconds else "—"
+        for r in self.medians():
+            ratio = self.ratio_text(r.size, r.path)
             b = r.breakdown
             out.append([r.size, r.path, f"{r.step_seconds:.2f}", ratio] + [f"{b.get(k, 0.0):.2f}" for k in BREAKDOWN]
                        + [f"{r.tokens_per_step:.0f}",
@@ -129,8 +158,10 @@ class Bench:
 
     def markdown(self) -> str:
         m = self.machine
+        again = (f"; each path {self.repeats} times, taking turns: its median repeat shown, ratios to the server "
+                 "path per repeat as median (range)") if self.repeats > 1 else ""
         lines = [f"Recipe {self.recipe}: {self.steps} measured steps after {self.warmup} warm-up "
-                 f"step(s), medians; {m.get('date', '')}; {m.get('summary', '')}", "",
+                 f"step(s), medians{again}; {m.get('date', '')}; {m.get('summary', '')}", "",
                  "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         lines += ["| " + " | ".join(row) + " |" for row in self.rows()]
         sampler = [r.sampler_cpu_percent for r in self.results if r.sampler_cpu_percent is not None]
@@ -145,12 +176,12 @@ class Bench:
             base, adapter = sat["base"]["best"], sat["adapter"]["best"]
             lines.append(f"\n{size}: the LoRA server saturated at {base:.0f} tokens/s on the base model and "
                          f"{adapter:.0f} under the trained adapter: decode {base / adapter:.2f}× slower with it")
-        for r in self.results:
+        for r in self.medians():
             gauge = self.gauge_line(r)
             if gauge:
                 lines.append("\n" + gauge)
         copy = self.machine.get("copy_gbps") or {}
-        for r in self.results:
+        for r in self.medians():
             if r.sync_megabytes and r.sync_seconds:
                 lines.append("\n" + sync_line(r, copy))
         for size in dict.fromkeys(r.size for r in self.results):
@@ -208,7 +239,7 @@ class Bench:
         parts = ["time/rollout_wait", "time/weight_sync", "time/reward", "time/scoring", "time/optimisation"]
         labels = ["waiting for rollouts", "weight sync", "reward", "scoring", "optimisation"]
         for ax, size in zip(axes[0], sizes):
-            mine = [r for r in self.results if r.size == size]
+            mine = [r for r in self.medians() if r.size == size]
             bottom = [0.0] * len(mine)
             for part, label in zip(parts, labels):
                 values = [r.breakdown.get(part, 0.0) for r in mine]
@@ -272,7 +303,7 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def summarise(size: str, path: str, train_dir: TrainDir, warmup: int) -> PathResult:
+def summarise(size: str, path: str, train_dir: TrainDir, warmup: int, repeat: int = 0) -> PathResult:
     """Medians over the logged steps after the warm-up (metrics.jsonl, one line per step)."""
     lines = [m for m in read_jsonl(train_dir.metrics, normalised=False) if "time/step" in m]
     measured = [m for m in lines if m.get("step", 0) > warmup] or lines
@@ -294,7 +325,8 @@ def summarise(size: str, path: str, train_dir: TrainDir, warmup: int) -> PathRes
         sync_megabytes=_median([m["sync/megabytes"] for m in measured if m.get("sync/megabytes")]),
         sync_seconds=_median([m["sync/seconds"] for m in measured if m.get("sync/seconds")]),
         sync_parts={part: _median([m[f"sync/{part}_seconds"] for m in measured if f"sync/{part}_seconds" in m])
-                    for part in ("write", "server") if any(f"sync/{part}_seconds" in m for m in measured)})
+                    for part in ("write", "server") if any(f"sync/{part}_seconds" in m for m in measured)},
+        repeat=repeat)
 
 
 def saturation(rr: Resolved, url: str, concurrencies: list[int], rounds: int = 2, adapter: str | None = None) -> dict:
@@ -369,10 +401,10 @@ def _recipe(base, size: str, path: str, steps: int, warmup: int, extra: list[str
 
 def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None, paths: list[str] | None = None,
         concurrencies: list[int] | None = None, overrides: list[str] | None = None, run_dir: RunDir | None = None,
-        log=print) -> tuple[Bench, RunDir]:
-    """Every size × path, one after the other (never two at once: they would share cores). `recipe` is a loaded
-    Recipe; `overrides` apply to every path last (e.g. monitor.canary_every=1); `run_dir`: write there (a notebook's
-    run) instead of a new `<time>-<recipe>-bench` directory."""
+        log=print, repeats: int = 1) -> tuple[Bench, RunDir]:
+    """Every size × path, one after the other (never two at once: they would share cores), `repeats` times taking
+    turns. `recipe` is a loaded Recipe; `overrides` apply to every path last (e.g. monitor.canary_every=1);
+    `run_dir`: write there (a notebook's run) instead of a new `<time>-<recipe>-bench` directory."""
     from workbench.serving.server import VLLMServer  # lazy: requests
     from workbench.training.train import run_trainer  # lazy: torch
 
@@ -390,6 +422,8 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
             raise WorkbenchError(f"--paths names {name!r}", f"use some of: {', '.join(PATHS)}")
     if steps < 1 or warmup < 0:
         raise WorkbenchError(f"--steps {steps} --warmup {warmup}", "measure 1 or more steps after 0 or more warm-up steps")
+    if repeats < 1:
+        raise WorkbenchError(f"--repeats {repeats}", "train each path 1 or more times (3 for a ratio's spread)")
     # every recipe is checked before anything starts
     plans = {(s, p): _recipe(recipe, s, p, steps, warmup, overrides) for s in sizes for p in paths}
     first = next(iter(plans.values()))
@@ -406,7 +440,11 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
     run_dir = run_dir or RunDir.create(recipe, "bench")
     stage = run_dir.bench.make()
     bench = Bench(recipe=recipe.name, steps=steps, warmup=warmup, machine=machine(first),
-                  limits=_limits(first))
+                  limits=_limits(first), repeats=repeats)
+
+    def again(k: int) -> str:
+        return f" (repeat {k + 1}/{repeats})" if repeats > 1 else ""
+
     started = time.time()
     for size in sizes:
         sized = plans[(size, paths[0])]
@@ -423,24 +461,24 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
         local = [p for p in paths if p not in SERVED and p not in OWN_SERVER]
         served = [p for p in paths if p in SERVED]
         alone = [p for p in paths if p in OWN_SERVER]
-        for path in local:
+        for k, path in ((k, p) for k in range(repeats) for p in local):
             rr = plans[(size, path)]
-            train_dir = run_dir.bench_training(size, path).make()
-            log(f"bench: {size} {path}: {steps + warmup} steps")
+            train_dir = run_dir.bench_training(size, path, k).make()
+            log(f"bench: {size} {path}: {steps + warmup} steps{again(k)}")
             run_trainer(rr, train_dir, model_path, log=log)
-            bench.results.append(summarise(size, path, train_dir, warmup))
+            bench.results.append(summarise(size, path, train_dir, warmup, k))
         if served:
             rr = plans[(size, served[0])]
             logs = run_dir.bench_server_logs(size)
             logs.mkdir(exist_ok=True)
             with VLLMServer(rr, model_path, logs, for_training=True) as srv:
                 log(f"bench: {size} server up in {srv.startup_seconds or 0:.0f}s at {srv.url}")
-                for path in served:
-                    train_dir = run_dir.bench_training(size, path).make()
-                    log(f"bench: {size} {path}: {steps + warmup} steps")
+                for k, path in ((k, p) for k in range(repeats) for p in served):
+                    train_dir = run_dir.bench_training(size, path, k).make()
+                    log(f"bench: {size} {path}: {steps + warmup} steps{again(k)}")
                     run_trainer(plans[(size, path)], train_dir, model_path, srv.pid,
                                 srv.url, log=log, restart=srv.restart)
-                    bench.results.append(summarise(size, path, train_dir, warmup))
+                    bench.results.append(summarise(size, path, train_dir, warmup, k))
                 bench.saturation[size] = saturation(rr, srv.url, concurrencies or [1, 2, 4])
                 log(f"bench: {size} server saturated at {bench.saturation[size]['best']:.0f} tokens/s")
             for r in bench.results:
@@ -451,16 +489,18 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
             logs = run_dir.bench_server_logs(size)
             logs.mkdir(exist_ok=True)
             with VLLMServer(rr, model_path, logs, for_training=True) as srv:
-                train_dir = run_dir.bench_training(size, path).make()
-                log(f"bench: {size} {path}: its own server up in {srv.startup_seconds or 0:.0f}s; "
-                    f"{steps + warmup} steps")
-                run_trainer(rr, train_dir, model_path, srv.pid, srv.url, log=log, restart=srv.restart)
-                result = summarise(size, path, train_dir, warmup)
-                bench.results.append(result)
+                for k in range(repeats):
+                    train_dir = run_dir.bench_training(size, path, k).make()
+                    log(f"bench: {size} {path}: its own server up in {srv.startup_seconds or 0:.0f}s; "
+                        f"{steps + warmup} steps{again(k)}")
+                    run_trainer(rr, train_dir, model_path, srv.pid, srv.url, log=log, restart=srv.restart)
+                    bench.results.append(summarise(size, path, train_dir, warmup, k))
                 levels = concurrencies or [1, 2, 4]
                 bench.lora_saturation[size] = {"base": saturation(rr, srv.url, levels),
                                                "adapter": saturation(rr, srv.url, levels, adapter=str(train_dir.final))}
-                result.efficiency = result.training_tokens_per_second / bench.lora_saturation[size]["adapter"]["best"]
+                for result in bench.repeats_of(size, path):
+                    result.efficiency = (result.training_tokens_per_second
+                                         / bench.lora_saturation[size]["adapter"]["best"])
         bench.seconds = round(time.time() - started, 1)
         bench.save(stage)  # after each size: an interrupted bench keeps what it measured
     bench.figure(stage.figure)

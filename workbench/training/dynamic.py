@@ -16,8 +16,9 @@ usually does. When the cap is spent the remaining slots keep their original grou
 advantage as in plain GRPO.
 
 The exchange happens between TRL's generation and its scoring, in place, on whole groups: everything TRL computes
-afterwards (rewards, advantages, old and reference log-probs, the loss's token count, its logs) is computed on the
-batch that trains, by TRL's own code. With several ranks every rank sees the gathered rewards and the same draws,
+afterwards (advantages, old and reference log-probs, the loss's token count, its logs) is computed on the batch
+that trains, by TRL's own code; its rewards are the ones each group was judged by (kept, not computed again: a
+reward that is not deterministic, or costly, gives the same number once). With several ranks every rank sees the gathered rewards and the same draws,
 so all take the same decisions and call the same collectives; a refill request's completions are gathered, so a
 group may move to a slot on another rank. In async mode the refill requests run beside the next step's early
 batch, synchronously, at the current weights (training/overlap.py is left alone).
@@ -53,6 +54,7 @@ class Sample:
     completion_ids: list[int]
     completion: Any
     logprobs: list | None
+    rewards: list[float] | None = None  # per reward function, as scored when the batch was judged
 
 
 def refill_size(missing: int, share: float, budget: int, generations: int, processes: int) -> int:
@@ -86,17 +88,18 @@ class DynamicSampler:
     def fill(self, samples: list[Sample], *, generations: int, processes: int, rank: int, step: int,
              generate: Callable[[list[dict]], list[Sample]], score: Callable[[list[Sample]], Any],
              gather: Callable[[list], list], weights: list[float], aggregation: str
-             ) -> tuple[list[Sample], dict[str, float]]:
-        """This rank's samples of the batch that trains, and the step's metrics. `generate(rows)` generates this
-        rank's part of a request (each row once per completion), `score(samples)` returns every rank's rewards
-        (completions x functions, gathered), `gather` is accelerate's gather_object. Collective: every rank calls
-        it with the same arguments but its own samples."""
+             ) -> tuple[list[Sample], dict[str, float], list[list[float]]]:
+        """This rank's samples of the batch that trains, the step's metrics, and every rank's rewards of that batch
+        (completions x functions, as `score` gave them: TRL trains on the rewards the groups were judged by, and
+        the reward functions do not run twice). `generate(rows)` generates this rank's part of a request (each row
+        once per completion), `score(samples)` returns every rank's rewards (gathered), `gather` is accelerate's
+        gather_object. Collective: every rank calls it with the same arguments but its own samples."""
         local = len(samples)
-        batch = gather(samples)
-        flat, _ = flat_groups(_numpy(score(samples)), weights, generations, aggregation)
+        batch = _scored(gather(samples), score(samples))
+        flat, _ = flat_groups([s.rewards for s in batch], weights, generations, aggregation)
         groups = len(flat)
         if groups == 0:
-            return samples, {}
+            return samples, {}, [s.rewards for s in batch]
         slots = [g for g in range(groups) if flat[g]]
         budget = int(self.cap * groups)
         generated, with_signal, extra_prompts, extra_tokens = groups, groups - len(slots), 0, 0
@@ -107,8 +110,8 @@ class DynamicSampler:
             rows = [row for row in draw(self.rows, size, self.seed, step, round_) for _ in range(generations)]
             part = len(rows) // processes
             mine = generate(rows[rank * part:(rank + 1) * part])
-            more = gather(mine)
-            more_flat, _ = flat_groups(_numpy(score(mine)), weights, generations, aggregation)
+            more = _scored(gather(mine), score(mine))
+            more_flat, _ = flat_groups([s.rewards for s in more], weights, generations, aggregation)
             extra_prompts += size
             extra_tokens += sum(len(s.completion_ids) for s in more)
             generated += size
@@ -122,8 +125,14 @@ class DynamicSampler:
         metrics = {ZERO_SPREAD_GENERATED: 1.0 - with_signal / generated,
                    PROMPTS_PER_KEPT: (groups + extra_prompts) / groups,
                    EXTRA_TOKENS: float(extra_tokens), UNFILLED: len(slots) / groups}
-        return batch[rank * local:(rank + 1) * local], metrics
+        return batch[rank * local:(rank + 1) * local], metrics, [s.rewards for s in batch]
 
 
-def _numpy(rewards):
-    return rewards.float().cpu().numpy() if hasattr(rewards, "cpu") else rewards
+def _scored(everyone: list[Sample], rewards) -> list[Sample]:
+    """Every rank's samples, each with its row of the gathered rewards (a tensor or nested lists)."""
+    rows = rewards.float().cpu().tolist() if hasattr(rewards, "cpu") else [list(r) for r in rewards]
+    if len(rows) != len(everyone):
+        raise RuntimeError(f"dynamic sampling: {len(rows)} rewards for {len(everyone)} completions")
+    for sample, row in zip(everyone, rows):
+        sample.rewards = row
+    return everyone

@@ -187,6 +187,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         self.dynamic = dynamic
         self._refilling = False  # inside a dynamic-sampling refill: its generation and scoring are not the batch's
         self._inputs_now: list[dict] | None = None  # the generation batch's rows, while TRL generates for them
+        self._kept_rewards = None  # the refilled batch's rewards (gathered), for TRL's scoring of it
         self._batch_completion_ids: list[list[int]] = []
         wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
         self.weight_sync = weight_sync
@@ -361,13 +362,16 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             finally:
                 self._refilling = False
 
-        kept, metrics = self.dynamic.fill(
+        kept, metrics, rewards = self.dynamic.fill(
             samples(inputs, prompts, out), generations=self.num_generations,
             processes=self.accelerator.num_processes, rank=self.accelerator.process_index,
             step=self.state.global_step, generate=generate, score=score, gather=gather_object,
             weights=self.reward_weights.tolist(), aggregation=self.multi_objective_aggregation)
         for key, value in metrics.items():
             self._metrics["train"][key].append(value)
+        import torch
+
+        self._kept_rewards = torch.tensor(rewards, dtype=torch.float32, device=self.accelerator.device)
         prompts[:] = [s.prompt for s in kept]
         inputs[:] = [s.row for s in kept]
         return ([s.prompt_ids for s in kept], [s.completion_ids for s in kept], None, [s.completion for s in kept],
@@ -378,7 +382,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
-            self._inputs_now = None
+            self._inputs_now = self._kept_rewards = None
         if self.groups is not None and self.model.training:
             try:
                 self.groups.record(self, self._batch_completion_ids)
@@ -389,8 +393,11 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, *args, **kwargs):
         started = time.perf_counter()
-        try:
-            rewards = super()._calculate_rewards(*args, **kwargs)  # every rank's, gathered
+        kept = None
+        if not self._refilling:  # the batch's own scoring: taken once
+            kept, self._kept_rewards = self._kept_rewards, None
+        try:  # every rank's, gathered; a refilled batch's were scored when it was judged (training/dynamic.py)
+            rewards = kept if kept is not None else super()._calculate_rewards(*args, **kwargs)
         finally:
             self._timed("reward", started)
         if self.model.training and not self._refilling:  # the workbench's own count of groups without signal
