@@ -3,6 +3,7 @@ with `rollout.dynamic_sampling` attached to the session's server, read for what 
 moving between ranks, a server killed under it) is tests/test_distributed.py's run."""
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pandas as pd
@@ -34,6 +35,8 @@ def test_a_round_asks_for_what_the_signal_share_says_within_the_budget_and_evenl
     # three ranks, groups of 4: 12 completions split evenly needs a multiple of 3 prompts
     assert refill_size(1, 1.0, 100, G, 3) == 3
     assert refill_size(1, 1.0, 100, 2, 2) == 1  # 2 completions on 2 ranks: one each (a group across ranks)
+    # the cap holds: rounded down to the ranks' multiple, nothing when it holds none
+    assert refill_size(5, 1.0, 7, G, 3) == 6 and refill_size(1, 1.0, 2, G, 3) == 0
 
 
 def test_zero_spread_groups_are_replaced_by_refill_groups_with_spread_on_every_rank():
@@ -71,14 +74,15 @@ def test_zero_spread_groups_are_replaced_by_refill_groups_with_spread_on_every_r
         assert asked == [8]  # one round: 4 prompts x 4 completions, half to each rank
         return out
 
-    (kept0, metrics, rewards), (kept1, _, again) = run(0), run(1)
+    (kept0, metrics, every), (kept1, _, again) = run(0), run(1)
     batch = kept0 + kept1
-    assert rewards == again == [[s.row["reward"]] for s in batch]  # what TRL scores the batch with
+    assert every == again == batch  # each rank holds the whole batch, and its slice of it
+    assert [s.rewards for s in every] == [[s.row["reward"]] for s in batch]  # what TRL scores the batch with
     groups = [batch[i * G:(i + 1) * G] for i in range(4)]
     assert [g[0].prompt for g in groups] == ["p0", drawn[0]["prompt"], drawn[2]["prompt"], "p3"]
     assert all(len({s.row["reward"] for s in g}) > 1 for g in groups)  # 0.2 vs 1.2 has spread, as it should
     assert metrics == {dynamic.ZERO_SPREAD_GENERATED: 4 / 8, dynamic.PROMPTS_PER_KEPT: 2.0,
-                       dynamic.EXTRA_TOKENS: 2.0 * 16, dynamic.UNFILLED: 0.0}
+                       dynamic.EXTRA_TOKENS: 2.0 * 16, dynamic.EXTRA_PROMPTS: 4.0, dynamic.UNFILLED: 0.0}
 
 
 def test_what_the_cap_leaves_unfilled_trains_as_it_was():
@@ -163,8 +167,17 @@ def test_the_batch_that_trains_has_spread_where_the_generated_one_had_none(dynam
     assert sum(int(n) for n in scored.read_text().split()) == generated
 
 
-def test_refills_do_not_take_the_early_batch_in_async_mode(dynamic_run):
-    rows = [r for r in read_jsonl(dynamic_run[0].train.metrics) if "loss" in r]
+def test_refills_do_not_take_the_early_batch_in_async_mode(dynamic_run, tiny_model_dir):
+    from workbench.training import smoke
+
+    run = dynamic_run[0]
+    rows = [r for r in read_jsonl(run.train.metrics) if "loss" in r]
+    assert any(r[dynamic.PROMPTS_PER_KEPT] > 1 for r in rows[:-1])  # refills while early batches were in flight
     # from step 2 on each step trained the batch asked for during the step before (one step stale), not a
     # synchronous one: the refill's requests went beside it
     assert [r["rollout/staleness"] for r in rows[1:]] == [1.0] * (STEPS - 1)
+    # and the server generated exactly the steps' batches plus the refills: no early batch asked twice or dropped
+    summary = json.loads(run.train.summary.read_text())
+    assert summary["refill_prompts"] == sum(r[dynamic.EXTRA_PROMPTS] for r in rows) > 0
+    served = next(c for c in smoke.verify(run.train, tiny_model_dir).checks if c.name == "server served the rollouts")
+    assert served.ok, served.detail

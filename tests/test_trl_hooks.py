@@ -200,7 +200,22 @@ def _cpu_gemm_dispatch():
     assert not hasattr(linear, "dispatch_cpu_unquantized_gemm")
 
 
-INTERNALS = {"client session": _client_session, "distributed backend": _distributed_backend,
+def _dynamic_sampling():
+    """What dynamic sampling (training/dynamic.py) relies on: TRL reads the prompts and rows it passes to `_generate`
+    afterwards (they are changed in place), logs each generation's completion metrics under the names the trainer
+    recomputes, and keeps reward functions' extra columns in `_pending_extra_logs`."""
+    from workbench.training.trainer import COMPLETION_METRICS
+
+    cls = grpo_trainer.GRPOTrainer
+    score = _source(cls._generate_and_score_completions)
+    assert "= self._generate(prompts)" in score
+    assert "self._calculate_rewards(inputs, prompts, completions, completion_ids_list)" in score
+    generate = _source(cls._generate)
+    assert all(f'"{key}"' in generate for key in COMPLETION_METRICS)
+    assert "self._pending_extra_logs" in _source(cls._log_completion_extra)
+
+
+INTERNALS = {"dynamic sampling": _dynamic_sampling, "client session": _client_session, "distributed backend": _distributed_backend,
              "trainer hooks": _trainer_hooks, "trainer logs": _trainer_logs, "save checkpoint": _save_checkpoint,
              "bf16 check": _bf16_check, "cpu gemm dispatch": _cpu_gemm_dispatch}
 

@@ -1,6 +1,6 @@
 """`workbench bench`: one GRPO configuration through every rollout path on this machine, measured in one run.
 
-    workbench bench --recipe cpu-tiny                          # tiny + ~100M random-weight model, 5 paths (~15 min)
+    workbench bench --recipe cpu-tiny --repeats 1              # tiny + ~100M random-weight model, 5 paths (~15 min)
     workbench bench --recipe cpu-tiny --sizes tiny --steps 3 --warmup 1 --paths server,async
     workbench bench --recipe cpu-tiny --sizes 100m --paths server,lora    # the full push against the adapter's
     workbench bench --recipe cpu-tiny --sizes 100m --paths server,async --repeats 3   # ratios with their spread
@@ -26,10 +26,12 @@ throughput on the server's cores, the trainer's and both, then says for each pat
 the decode ceiling (read bandwidth, GEMM) and its optimisation to the GEMM throughput of the cores it ran on; and
 each weight push (megabytes, seconds, our write and the server's reload call) against the machine's copy bandwidth.
 
-Repeats (`--repeats N`, 3 from the command line): every path is trained N times, the paths taking turns (server,
-async, server, async, ...) so that a drift of the machine's speed reaches each alike. A path's row is its median
-repeat (by step time); its ratio to the server path is taken per repeat (each repeat's step against the same
-repeat's server step) and shown as the median with the range over the repeats.
+Repeats (`--repeats N`, 3 from the command line, so about three times the time): every path is trained N times.
+The paths on the shared server take turns (server, async, server, async, ...) so that a drift of the machine's
+speed reaches both alike, as do the paths without a server among themselves; the lora path repeats on its own
+server. A path's row is its median repeat (by step time); its ratio to the server path is taken per repeat (each
+repeat's step against the same repeat's server step: side by side for async, the same ordinal for the others) and
+shown as the median with the range over the repeats.
 
 Output: RUN/bench/bench.json (every number, the machine and the versions), bench.md (the table), bench.png, and one
 training directory per size and path (bench/<size>-<path>/: metrics.jsonl, devices.jsonl, train.json).

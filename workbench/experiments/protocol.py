@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from workbench.errors import WorkbenchError
+from workbench.records import read_jsonl
 from workbench.rundir import RunDir, set_aside, trained_weights, write_atomic
 from workbench.tasks import dataset
 
@@ -82,6 +83,10 @@ class Outcome:
     train_seconds: float | None = None
     data_seed: int | None = None  # the base model and splits (--data-seeds); None: the recipe's own
     generated_tokens: int | None = None  # completion tokens the training generated (its summary)
+    # the training's mean share of groups with reward spread: in the batches it trained, and in all it generated
+    # (dynamic sampling replaces groups without; otherwise the two are the same)
+    signal: float | None = None
+    signal_generated: float | None = None
 
     @property
     def gain(self) -> float:
@@ -100,6 +105,24 @@ class Training:
     train_seconds: float | None = None
     data_seed: int | None = None
     generated_tokens: int | None = None
+    signal: float | None = None
+    signal_generated: float | None = None
+
+
+def signal_shares(train_dir) -> tuple[float | None, float | None]:
+    """A finished training's mean share of groups with reward spread, trained and generated (its metrics)."""
+    from workbench.training.dynamic import ZERO_SPREAD_GENERATED
+    from workbench.training.groups import ZERO_SPREAD
+
+    rows = [r for r in read_jsonl(train_dir.metrics) if "loss" in r]
+
+    def mean_share(key: str) -> float | None:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return 1.0 - statistics.fmean(values) if values else None
+
+    trained = mean_share(ZERO_SPREAD)
+    generated = mean_share(ZERO_SPREAD_GENERATED)
+    return trained, generated if generated is not None else trained
 
 
 @dataclass
@@ -155,6 +178,11 @@ class Protocol:
                     f"{len({o.seed for o in test})} seed(s))")
         tokens = [o.generated_tokens for o in test if o.generated_tokens]
         cost = f"; {statistics.fmean(tokens):,.0f} completion tokens generated per training" if tokens else ""
+        kept = [o.signal for o in test if o.signal is not None]
+        generated = [o.signal_generated for o in test if o.signal_generated is not None]
+        if kept and generated:
+            cost += (f"; groups with reward spread {statistics.fmean(kept):.0%} of those trained, "
+                     f"{statistics.fmean(generated):.0%} of those generated")
         how = ("settings fixed beforehand, every one reported" if self.report_all else
                f"settings chosen on the validation split with seed {self.choose_seed}")
         return (f"{name}: test accuracy {base:.1f}% → {trained:.1f}%, gain {statistics.fmean(gains):+.1f}"
@@ -188,14 +216,17 @@ class Protocol:
                          f"{'**yes**' if o.candidate == self.chosen else ''} |")
         what = "every candidate" if self.report_all else "the chosen setting"
         lines += ["", f"Reported on the test split ({TEST}), {what} trained afresh per seed:", "",
-                  f"| candidate {base_col}| seed | test base → trained | gain | completion tokens | training s | run |",
-                  f"|---{base_sep}|---|---|---|---|---|---|"]
+                  f"| candidate {base_col}| seed | test base → trained | gain | completion tokens | groups with spread "
+                  "(trained / generated) | training s | run |",
+                  f"|---{base_sep}|---|---|---|---|---|---|---|"]
         for o in self.test:
             secs = f"{o.train_seconds:.0f}" if o.train_seconds is not None else "—"
             tokens = f"{o.generated_tokens:,}" if o.generated_tokens else "—"
+            spread = (f"{o.signal:.0%} / {o.signal_generated:.0%}" if o.signal is not None
+                      and o.signal_generated is not None else "—")
             where = f"| {o.data_seed} " if based else ""
             lines.append(f"| {o.candidate} {where}| {o.seed} | {o.base:.1%} → {o.trained:.1%} | {o.gain * 100:+.1f} | "
-                         f"{tokens} | {secs} | {o.run} |")
+                         f"{tokens} | {spread} | {secs} | {o.run} |")
         lines.append("")
         for name in self.reported:
             lines.append(self.headline(name))
@@ -574,7 +605,7 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
                                      f"see {out.protocol_log(label)}")
         summary = json.loads(done.train.summary.read_text())
         training = Training(label, c.name, seed, split, str(done.path), summary.get("train_seconds"), data_seed,
-                            summary.get("generated_tokens"))
+                            summary.get("generated_tokens"), *signal_shares(done.train))
         if record:
             result.trainings.append(training)
             save()
@@ -640,7 +671,8 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
         for t, run in pending:
             _split_out(evaluation, base_samples, base_summary, t.label, run, rr)
             outcomes[t.label] = Outcome(t.candidate, t.seed, split, t.run, result.base[key],
-                                        by[t.label].accuracy_mean, t.train_seconds, data_seed, t.generated_tokens)
+                                        by[t.label].accuracy_mean, t.train_seconds, data_seed, t.generated_tokens,
+                                        t.signal, t.signal_generated)
         return outcomes
 
     names = [c.name for c in result.candidates]
@@ -655,6 +687,7 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
             pending = [(t, RunDir(t.run)) for t in result.trainings
                        if t.split == VALIDATION and t.data_seed == d and t.run not in scored]
             result.validation += evaluate_split(VALIDATION, d, pending).values()
+            save()  # each base's scores kept as soon as they exist (--resume)
         result.validation.sort(key=lambda o: (result.bases.index(o.data_seed), names.index(o.candidate)))
         save()
 
@@ -681,7 +714,8 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
                     d is not None or result.selected is None):
                 picked_from = result.training(_label(index, result.choose_seed, VALIDATION, d))
                 picked = Training(_label(index, result.choose_seed, TEST, d), chosen.name, result.choose_seed, TEST,
-                                  picked_from.run, picked_from.train_seconds, d, picked_from.generated_tokens)
+                                  picked_from.run, picked_from.train_seconds, d, picked_from.generated_tokens,
+                                  picked_from.signal, picked_from.signal_generated)
                 _fresh(stage.runs / picked.label)
                 pending.append((picked, RunDir.at(stage.runs / picked.label,
                                                   resolved([f"eval.split={TEST}"], d).recipe)))
@@ -691,6 +725,7 @@ def run(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds: 
                 result.selected = result.selected or result.picked[0]
             result.test += sorted(outcomes.values(), key=lambda o: (names.index(o.candidate),
                                                                      result.seeds.index(o.seed)))
+            save()
     finally:
         shared.close()
     save()

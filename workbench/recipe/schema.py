@@ -145,7 +145,7 @@ class RolloutConfig:
     # dynamic sampling (DAPO): a group whose completions all scored the same has zero advantage and teaches nothing;
     # such groups are replaced by groups of further training prompts, generated in extra requests before TRL scores
     dynamic_sampling: bool = False
-    # extra prompts allowed per step, as a multiple of the batch's prompts (2.0: up to three times the generation);
+    # extra prompts allowed per generation batch, as a multiple of its prompts (2.0: up to three times the generation);
     # slots still without signal when it is spent keep their groups, which train with zero advantage
     refill_cap: float = 2.0
 

@@ -46,31 +46,47 @@ def spread_tolerance(scale: float) -> float:
     return SPREAD_RTOL * abs(scale)
 
 
-def flat_groups(rewards_per_func, weights, size: int, aggregation: str = "sum_then_normalize"):
-    """Per group of one generation batch, whether it carries no signal, from TRL's gathered rewards (completions x
-    functions, NaN where a function did not score; consecutive `size` rows are one prompt's group). With TRL's
-    default aggregation (`sum_then_normalize`) a group has no signal when its weighted totals are equal; with
-    `normalize_then_sum` each weighted function is normalised within the group, so it has none only when every such
-    function is flat. Returns (flat: bool per group, total: the weighted reward per completion)."""
+def _columns(rewards_per_func, weights, aggregation: str):
+    """The weighted total per completion, and the columns whose spread within a group is the signal."""
     import numpy as np
 
     r = np.asarray(rewards_per_func, dtype=np.float64).reshape(-1, len(weights))
     w = np.asarray(weights, dtype=np.float64)
-    groups = r.shape[0] // size
     unscored = np.isnan(r).all(axis=1)
     total = np.where(unscored, np.nan, np.nansum(r * w, axis=1))
     if aggregation == "normalize_then_sum":
-        columns = [r[:, i] for i in range(r.shape[1]) if w[i] != 0]
-    else:
-        columns = [total]
+        return total, [r[:, i] for i in range(r.shape[1]) if w[i] != 0]
+    return total, [total]
+
+
+def reward_scales(rewards_per_func, weights, aggregation: str = "sum_then_normalize") -> list[float]:
+    """The scale of each column `flat_groups` judges (its largest magnitude): what its tolerance is relative to."""
+    import numpy as np
+
+    _, columns = _columns(rewards_per_func, weights, aggregation)
+    return [float(np.abs(c[~np.isnan(c)]).max()) if (~np.isnan(c)).any() else 0.0 for c in columns]
+
+
+def flat_groups(rewards_per_func, weights, size: int, aggregation: str = "sum_then_normalize",
+                scales: list[float] | None = None):
+    """Per group of one generation batch, whether it carries no signal, from TRL's gathered rewards (completions x
+    functions, NaN where a function did not score; consecutive `size` rows are one prompt's group). With TRL's
+    default aggregation (`sum_then_normalize`) a group has no signal when its weighted totals are equal; with
+    `normalize_then_sum` each weighted function is normalised within the group, so it has none only when every such
+    function is flat. Equal means within SPREAD_RTOL of the column's scale: this batch's (`reward_scales`) unless
+    `scales` are given (dynamic sampling judges a step's batches on one scale). Returns (flat: bool per group,
+    total: the weighted reward per completion)."""
+    import numpy as np
+
+    total, columns = _columns(rewards_per_func, weights, aggregation)
+    groups = total.shape[0] // size
+    scales = scales if scales is not None else reward_scales(rewards_per_func, weights, aggregation)
     flat = np.ones(groups, dtype=bool)
     with warnings.catch_warnings():  # a group nobody scored: all-NaN slices, no spread and no signal
         warnings.simplefilter("ignore", RuntimeWarning)
-        for values in columns:
-            scored = values[~np.isnan(values)]
-            tol = spread_tolerance(np.abs(scored).max()) if scored.size else 0.0
+        for values, scale in zip(columns, scales):
             grouped = values[: groups * size].reshape(groups, size)
-            flat &= ~(np.nanmax(grouped, axis=1) - np.nanmin(grouped, axis=1) > tol)
+            flat &= ~(np.nanmax(grouped, axis=1) - np.nanmin(grouped, axis=1) > spread_tolerance(scale))
     return flat, total
 
 

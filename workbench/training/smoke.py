@@ -131,6 +131,9 @@ def _served_check(train_dir: TrainDir, summary: dict, steps: int) -> Check:
     trainer = (yaml.safe_load(train_dir.recipe.read_text()) or {}).get("trainer") or {} if train_dir.recipe.exists() else {}
     generated_steps = steps - int(summary.get("resumed_from") or 0)
     want_prompts, want_sequences = rollouts_asked(trainer, int(summary.get("processes") or 1), generated_steps)
+    refills = int(summary.get("refill_prompts") or 0)  # dynamic sampling's extra prompts, G completions each
+    want_prompts += refills
+    want_sequences += refills * int(trainer.get("num_generations") or 8)
     counted = (f"{prompts:.0f} prompts, {sequences:.0f} completions generated (and "
                f"{served['probe_requests']:.0f} one-token probes{f', {curve} learning-curve requests' if curve else ''}) for "
                f"{generated_steps} steps that asked for {want_prompts} and {want_sequences}")

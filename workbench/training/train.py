@@ -68,6 +68,7 @@ class TrainSummary:
     adapter: dict | None = None
     # completion tokens sampled for training by every rank, refills included (a resumed run: since its resume)
     generated_tokens: int | None = None
+    refill_prompts: int | None = None  # extra prompts dynamic sampling generated (training/dynamic.py)
 
     def save(self, train_dir: TrainDir) -> Path:
         return write_atomic(train_dir.summary, json.dumps(asdict(self), indent=2))
@@ -201,7 +202,9 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
                     raise _stopped_with_checkpoint(trainer, train_dir, exc, several, log) from None
             train_seconds = time.time() - started
         trainer.save_model(str(train_dir.final))  # every rank: sharded weights are gathered collectively
-        generated = sum(accelerator.gather_for_metrics([trainer._generated_total], use_gather_object=True))
+        from accelerate.utils import gather_object  # not gather_for_metrics: it trims to a dataloader's remainder
+
+        generated = sum(gather_object([trainer._generated_total]))
         if not main:
             return None
         trainer.processing_class.save_pretrained(str(train_dir.final))
@@ -211,7 +214,8 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
                                monitor=sampler.overhead(), processes=accelerator.num_processes,
                                restarts=_restarts_recorded(train_dir),
                                resumed_from=_checkpoint_step(resume_from) if resume_from else None,
-                               adapter=_adapter_record(rr, weight_sync, train_dir), generated_tokens=int(generated))
+                               adapter=_adapter_record(rr, weight_sync, train_dir), generated_tokens=int(generated),
+                               refill_prompts=trainer.refill_prompts if trainer.dynamic is not None else None)
         summary.save(train_dir)
         return summary
     finally:

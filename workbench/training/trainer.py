@@ -34,11 +34,27 @@ from workbench.training.canary import Canary
 from workbench.training.evalcurve import EvalCurve
 from workbench.training.config import grpo_config
 from workbench.training.drift import KEY as DRIFT_KEY, Drift
-from workbench.training.dynamic import DynamicSampler, Sample
+from workbench.training.dynamic import EXTRA_PROMPTS, DynamicSampler, Sample
 from workbench.training.gauge import Gauge
 from workbench.training.groups import GroupRecorder, group_signal
 from workbench.training.overlap import Ahead
 from workbench.training.recovery import Recovery
+
+
+# what TRL 1.16's _generate logs of each generation's completions (tests/test_trl_hooks.py)
+COMPLETION_METRICS = ("completions/mean_length", "completions/min_length", "completions/max_length",
+                      "completions/clipped_ratio", "completions/mean_terminated_length",
+                      "completions/min_terminated_length", "completions/max_terminated_length")
+
+
+def completion_metrics(completion_ids: list[list[int]], stops: set[int]) -> dict[str, float]:
+    """TRL's completion metrics of a batch (every rank's completions), computed as its `_generate` does."""
+    lengths = [len(ids) for ids in completion_ids]
+    clipped = [bool(ids) and ids[-1] not in stops for ids in completion_ids]
+    ended = [n for n, c in zip(lengths, clipped) if not c] or [0]
+    values = (sum(lengths) / len(lengths), min(lengths), max(lengths), sum(clipped) / len(clipped),
+              sum(ended) / len(ended), min(ended), max(ended))
+    return {key: float(value) for key, value in zip(COMPLETION_METRICS, values)}
 
 
 class _SyncingVLLMGeneration(VLLMGeneration):
@@ -188,6 +204,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         self._refilling = False  # inside a dynamic-sampling refill: its generation and scoring are not the batch's
         self._inputs_now: list[dict] | None = None  # the generation batch's rows, while TRL generates for them
         self._kept_rewards = None  # the refilled batch's rewards (gathered), for TRL's scoring of it
+        self.refill_prompts = 0  # extra prompts dynamic sampling generated (every rank counts the same)
         self._batch_completion_ids: list[list[int]] = []
         wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
         self.weight_sync = weight_sync
@@ -313,17 +330,19 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
     # --- the group record (workbench/training/groups.py): each step's groups with their rewards and advantages --
 
     def _generate(self, prompts):
+        refill = self.dynamic is not None and self.model.training and not self._refilling
+        logged = {key: len(self._metrics["train"][key]) for key in COMPLETION_METRICS} if refill else {}
         out = super()._generate(prompts)
         if self._refilling:
             return out
-        if self.dynamic is not None and self.model.training:
-            out = self._refill(prompts, out)
+        if refill:
+            out = self._refill(prompts, out, logged)
         self._batch_completion_ids = out[1]  # this rank's completions, as TRL measures lengths and truncation
         return out
 
     # --- dynamic sampling (workbench/training/dynamic.py): groups without spread replaced before TRL scores ---
 
-    def _refill(self, prompts: list, out: tuple) -> tuple:
+    def _refill(self, prompts: list, out: tuple, logged: dict[str, int]) -> tuple:
         """Between TRL's generation and its scoring: the batch's groups without reward spread exchanged for groups of
         further prompts. `prompts` and the batch's rows are TRL's own lists, changed in place, so that everything TRL
         computes afterwards is the batch that trains."""
@@ -362,16 +381,27 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             finally:
                 self._refilling = False
 
-        kept, metrics, rewards = self.dynamic.fill(
-            samples(inputs, prompts, out), generations=self.num_generations,
-            processes=self.accelerator.num_processes, rank=self.accelerator.process_index,
-            step=self.state.global_step, generate=generate, score=score, gather=gather_object,
-            weights=self.reward_weights.tolist(), aggregation=self.multi_objective_aggregation)
-        for key, value in metrics.items():
-            self._metrics["train"][key].append(value)
         import torch
 
-        self._kept_rewards = torch.tensor(rewards, dtype=torch.float32, device=self.accelerator.device)
+        kept, metrics, batch = self.dynamic.fill(
+            samples(inputs, prompts, out), generations=self.num_generations,
+            processes=self.accelerator.num_processes, rank=self.accelerator.process_index,
+            step=self._step, generate=generate, score=score, gather=gather_object,  # _step: one per generation
+            weights=self.reward_weights.tolist(), aggregation=self.multi_objective_aggregation)
+        self.refill_prompts += int(metrics.get(EXTRA_PROMPTS, 0))
+        train = self._metrics["train"]
+        for key, value in metrics.items():
+            train[key].append(value)
+        # TRL logged completion lengths for each generation round: the batch that trains is what they describe
+        for key, count in logged.items():
+            del train[key][count:]
+        stops = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+        for key, value in completion_metrics([s.completion_ids for s in batch], stops).items():
+            train[key].append(value)
+        # the reward functions' per-completion columns were logged for the completions judged, some of them dropped
+        self._pending_extra_logs.clear()
+        self._kept_rewards = torch.tensor([s.rewards for s in batch], dtype=torch.float32,
+                                          device=self.accelerator.device)
         prompts[:] = [s.prompt for s in kept]
         inputs[:] = [s.row for s in kept]
         return ([s.prompt_ids for s in kept], [s.completion_ids for s in kept], None, [s.completion for s in kept],
@@ -436,7 +466,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             "time/optimisation": max(0.0, wall - rollout) / steps,
             "time/canary": canary_s / steps,  # inside the rollout, counted in time/scoring's remainder
             "time/eval_curve": curve_s / steps,  # likewise: the learning curve's points (training/evalcurve.py)
-            "time/refill": refill / steps,  # dynamic sampling's extra generation (in time/generation, training/dynamic.py)
+            "time/refill": refill / steps,  # dynamic sampling's extra requests (in time/generation; training/dynamic.py)
             "rollout/completion_tokens": tokens / steps,
             "rollout/staleness": staleness,  # optimizer steps between the sampling weights and the trained ones
         }
