@@ -26,6 +26,7 @@ def bench_run(tmp_path_factory, tiny_model_dir):
     runs = tmp_path_factory.mktemp("bench-runs")
     log = runs / "bench.log"
     cmd = [*workbench_cmd, "bench", "--recipe", "cpu-tiny", "--sizes", "tiny", "--steps", "2", "--warmup", "1",
+           "--repeats", "1",  # one training per path (repeats: the unit test below)
            "--concurrency", "1,2", "--paths", ",".join(PATHS), f"server.port={free_port()}", f"monitor.runs_dir={runs}",
            "trainer.per_device_train_batch_size=16", "monitor.canary_every=1"]
     with log.open("w") as out:  # a file: the trainer must never block on a full pipe
