@@ -18,6 +18,7 @@ optimizer step ahead, `_generate_single_turn` submits, `_SyncingVLLMGeneration.g
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from pathlib import Path
@@ -360,26 +361,16 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         def generate(rows: list[dict]) -> list[Sample]:
             texts = [row["prompt"] for row in rows]
             started = time.perf_counter()
-            backend = getattr(self, "vllm_generation", None)
-            ours = isinstance(backend, _SyncingVLLMGeneration)
-            self._refilling = True
-            if ours:
-                backend.refilling = True
             try:
-                return samples(rows, texts, self._generate(texts))
+                with self._refill_mode():
+                    return samples(rows, texts, self._generate(texts))
             finally:
-                self._refilling = False
-                if ours:
-                    backend.refilling = False
                 self._timed("refill", started)
 
         def score(batch: list[Sample]):
-            self._refilling = True  # the refill's and the first look's rewards: not the batch's signal metric
-            try:
+            with self._refill_mode():  # the refill's and the first look's rewards: not the batch's signal metric
                 return self._calculate_rewards([s.row for s in batch], [s.prompt for s in batch],
                                                [s.completion for s in batch], [s.completion_ids for s in batch])
-            finally:
-                self._refilling = False
 
         import torch
 
@@ -406,6 +397,22 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         inputs[:] = [s.row for s in kept]
         return ([s.prompt_ids for s in kept], [s.completion_ids for s in kept], None, [s.completion for s in kept],
                 None if logprobs is None else [s.logprobs for s in kept], {}, None, tool_images)
+
+    @contextlib.contextmanager
+    def _refill_mode(self):
+        """Generation and scoring for dynamic sampling's judgement: not the batch's own (no early batch taken or
+        asked for, no signal metric logged, no kept rewards used)."""
+        backend = getattr(self, "vllm_generation", None)
+        ours = isinstance(backend, _SyncingVLLMGeneration)
+        self._refilling = True
+        if ours:
+            backend.refilling = True
+        try:
+            yield
+        finally:
+            self._refilling = False
+            if ours:
+                backend.refilling = False
 
     def _generate_and_score_completions(self, inputs):
         self._inputs_now = inputs
