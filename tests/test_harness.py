@@ -44,6 +44,70 @@ def test_group_names_do_not_follow_the_collection_order(order):
     assert pair[0].group == "run_a" and pair[1].group == "run_b"
 
 
+_GROUPED = '''
+import os, time, pytest
+from pathlib import Path
+
+pytest_plugins = ("harness",)
+
+
+@pytest.fixture(scope="session")
+def shared_run():
+    return os.environ["PYTEST_XDIST_WORKER"]
+
+
+@pytest.fixture(scope="session")
+def other_run():
+    return os.environ["PYTEST_XDIST_WORKER"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    from harness import group_by_shared
+    group_by_shared(items, {"shared_run", "other_run"})
+'''
+
+_WHO = '''
+import os, time
+from pathlib import Path
+
+def _record(name, value):
+    (Path(os.environ["WHO_DIR"]) / name).write_text(value)
+    time.sleep(0.3)  # long enough that the other worker asks for work meanwhile
+
+{tests}
+'''
+
+
+def test_a_group_runs_on_one_worker_under_pytest_xdist(tmp_path):
+    """pytest-xdist's own loadgroup scheduler, two workers, eight tests of one shared fixture and eight of another
+    mixed with eight that share none: each group's tests all ran on one worker. (With pytest 9.2 and pytest-xdist
+    3.8, whose worker writes the group into an attribute pytest no longer reads, every test was a group of its own
+    and each worker built its own copy of every shared fixture.)"""
+    tests = []
+    for i in range(8):
+        for fixture in ("shared_run", "other_run", None):
+            name = f"{fixture or 'alone'}_{i}"
+            tests.append(f"def test_{name}({fixture or ''}):\n"
+                         f"    _record({name!r}, os.environ['PYTEST_XDIST_WORKER'])\n")
+    (tmp_path / "conftest.py").write_text(_GROUPED)
+    (tmp_path / "test_grouped.py").write_text(_WHO.format(tests="\n".join(tests)))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+           "PYTEST_ADDOPTS": "", "WHO_DIR": str(tmp_path / "who")}
+    (tmp_path / "who").mkdir()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                           "-c", str(tmp_path / "pytest.ini"), "-q", "-n", "2", "--dist", "loadgroup",
+                           str(tmp_path / "test_grouped.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    who = {p.name: p.read_text() for p in (tmp_path / "who").iterdir()}
+    assert len(who) == 24, sorted(who)
+    for fixture in ("shared_run", "other_run"):
+        assert len({who[f"{fixture}_{i}"] for i in range(8)}) == 1, who
+    assert set(who.values()) == {"gw0", "gw1"}, who  # the tests of no group still went to both workers
+
+
 _LEAKY = '''
 import os, subprocess, sys, pytest
 from pathlib import Path
