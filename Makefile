@@ -1,5 +1,6 @@
 # make demo: the CPU demo end to end.  make test: the test suite.  make test-fast: the suite without servers, engines
-# or trainings (minutes, for iteration).  make lab: JupyterLab for the notebooks.  Each sets up .venv on a fresh
+# or trainings (minutes, for iteration).  make lab: JupyterLab for the notebooks.  make measure: every figure the
+# README states, measured again (scripts/measure.py).  Each sets up .venv on a fresh
 # machine and is quick when it is already there (the stamp tracks pyproject.toml).
 VENV    ?= .venv
 PYTHON  ?= python3
@@ -10,7 +11,7 @@ KERNEL  := grpo-workbench
 # the contract tests' second environment (vLLM 0.23.0, the Ascend row's): one-time, minutes, apart from the suite's time
 CONTRACT_ENV := .venv-vllm-0.23.0/.contract-env.json
 
-.PHONY: demo test test-fast contract-env lab install clean-venv wheelhouse
+.PHONY: demo test test-fast contract-env lab install clean-venv wheelhouse measure
 
 install: $(STAMP)
 
@@ -35,6 +36,13 @@ $(STAMP): pyproject.toml | $(PY)
 # the validation split; the speed of each rollout path on this machine: `workbench bench --recipe cpu-tiny`
 demo: $(STAMP)
 	$(VENV)/bin/workbench run --recipe cpu-tiny-async
+
+# every figure the README and docs/results.md state, measured again on the current commit (scripts/measure.py):
+# --quick (the default) the demo and the bench on the demo's model, about 25 minutes on 2 cores; MEASURE=--full adds
+# the bench at ~100M parameters and the protocol over three base models and three seeds (hours)
+MEASURE ?= --quick
+measure: $(STAMP)
+	$(PY) scripts/measure.py $(MEASURE)
 
 # JupyterLab on loopback (127.0.0.1:8888) with the project's kernel: open notebooks/ and work through the stages
 lab: $(STAMP)

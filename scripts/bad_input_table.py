@@ -1,5 +1,5 @@
-"""Print the README's table of bad inputs and the message each gets, by running every case of tests/bad_inputs.py
-through the CLI (the same cases tests/test_bad_input.py checks).
+"""Print the bad-input table of docs/reliability.md (each input and the message it gets), by running every case of
+tests/bad_inputs.py through the CLI (the same cases tests/test_bad_input.py checks).
 
     python scripts/bad_input_table.py > /tmp/table.md      # under a minute on 2 cores
 """

@@ -1,5 +1,5 @@
 """Bad inputs and the message each must get: driven through the CLI by tests/test_bad_input.py, printed as the
-README's table by `python scripts/bad_input_table.py`.
+table in docs/reliability.md by `python scripts/bad_input_table.py`.
 
 Each case: (what a user types after `workbench`, a fragment the one-line message must contain). `{tmp}` is a
 scratch directory holding the files some cases need (see `write_files`), `{port}` a port nobody listens on.

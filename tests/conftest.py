@@ -128,6 +128,16 @@ def tiny_model_dir(cpu_recipe, request):
 _WEAKER_BUILD: list = []  # the background build tiny_model_dir started (None: cached), for weaker_model_dir
 
 
+def script(name: str):
+    """One of scripts/*.py, imported as a module (they are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def workbench_command() -> list[str]:
     """The installed console script when there is one, else `python -m workbench`."""
     script = VENV_BIN / "workbench"

@@ -20,12 +20,12 @@ from packaging.version import Version
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "install"
 PYTHON = "3.11"            # the CUDA routes' records (scripts/record_install_metadata.py's PYTHON)
 # The Ascend route's Python: triton-ascend 3.2.2's wheels are cp312 only (its fixture's python_tags) and upstream's
-# vllm-ascend v0.23.0 images are Python 3.12. tests/test_install_pins.py holds README and environment.yml to it.
+# vllm-ascend v0.23.0 images are Python 3.12. tests/test_install_pins.py holds docs/ascend.md and environment.yml to it.
 ASCEND_PYTHON = "3.12"
 ARCHES = ("x86_64", "aarch64")
-# Where a distribution comes from. Everything but "pypi" is a step outside pip's default index that the README states.
+# Where a distribution comes from. Everything but "pypi" is a step outside pip's default index (docs/ascend.md).
 OUTSIDE_PYPI = {"source", "huawei", "pytorch-cpu"}
-# The Ascend route's steps outside pip's default index and what they leave installed (README "Ascend install"):
+# The Ascend route's steps outside pip's default index and what they leave installed (docs/ascend.md, "Ascend install"):
 # x86_64: PyTorch's CPU index (torch-npu's x86_64 wheels require torch==2.10.0+cpu); both: triton-ascend from Huawei's
 # index; vLLM from a v0.23.0 checkout with VLLM_TARGET_DEVICE=empty (no torch pin of its own, version 0.23.0+empty).
 ROUTE_STEPS = {
@@ -242,7 +242,7 @@ def unreached(header: dict, dists: dict[str, Dist], arch: str, python: str) -> l
 
 
 def notes(pins: dict[str, Dist], arch: str) -> list[str]:
-    """What is not a conflict but is not a plain PyPI wheel either (steps the README must state)."""
+    """What is not a conflict but is not a plain PyPI wheel either (steps docs/ascend.md must state)."""
     out = []
     for dist in sorted(pins.values(), key=lambda d: d.name):
         if dist.index in OUTSIDE_PYPI:

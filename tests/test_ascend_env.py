@@ -227,9 +227,9 @@ def test_env_check_runs_the_triton_check(tmp_path):
 
 def test_readme_and_environment_yml_carry_the_repair():
     """The install route itself removes NVIDIA's triton and puts triton-ascend back (vllm-ascend's Dockerfile does the
-    same): the README's Ascend steps and environment.yml's post-step say the command the env check prints."""
-    readme = (REPO / "README.md").read_text()
-    section = re.search(r"^### Ascend install.*?(?=^## )", readme, re.S | re.M).group(0)
+    same): the Ascend steps of docs/ascend.md and environment.yml's post-step say the command the env check prints."""
+    page = (REPO / "docs" / "ascend.md").read_text()
+    section = re.search(r"^### Ascend install.*?(?=^## )", page, re.S | re.M).group(0)
     assert FIX in section
     assert FIX in (REPO / "environment.yml").read_text()
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from conftest import free_port, workbench_command
+from conftest import free_port, script, workbench_command
 from workbench.experiments import bench
 from workbench.records import read_jsonl
 from workbench.rundir import RunDir, TrainDir
@@ -223,3 +223,19 @@ def test_repeats_take_turns_and_each_ratio_is_paired_per_repeat_with_its_range(t
     again = bench.Bench.load(stage)
     assert again.ratio_text("100m", "async") == "0.67 (0.60-0.70)" and again.repeats == 3
 
+
+
+def test_measure_reads_the_bench_figures(bench_run):
+    """scripts/measure.py's bench figures (docs/results/bench.json): each path's median step and its ratio to the
+    synchronous server path's step."""
+    run, result, _ = bench_run
+    figures = script("measure").bench_figures(run.path)
+    assert figures["size"] == "tiny" and figures["repeats"] == 1 and list(figures["paths"]) == list(PATHS)
+    server = result.result("tiny", "server").step_seconds
+    for path, row in figures["paths"].items():
+        assert row["step_seconds"] == result.result("tiny", path).step_seconds
+        if path == "server":
+            assert row["ratio_to_server"] is None
+        else:
+            assert row["ratio_to_server"] == pytest.approx(row["step_seconds"] / server)
+            assert row["ratio_range"] == [row["ratio_to_server"]] * 2

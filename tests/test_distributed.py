@@ -39,7 +39,7 @@ def _server_processes(port: int) -> set[int]:
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory, tiny_model_dir):
-    """Two nodes on loopback, as the README says to start them: node 0 `workbench train --recipe smoke
+    """Two nodes on loopback, as docs/multi-node.md says to start them: node 0 `workbench train --recipe smoke
     distributed.nodes=2` (the keyed managed server, then its one rank), node 1 `workbench train --recipe
     <node 0's run recipe> distributed.node_rank=1` (no server, one rank); they meet at the rendezvous on
     main_address:main_port. The server is SIGKILLed after step 2: the main rank asks node 0's `workbench train`,

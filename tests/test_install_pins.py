@@ -89,17 +89,17 @@ def route_pins(extra: list[str], arch: str, steps=ROUTE_STEPS, core_route: str =
 
 
 def ascend_section() -> str:
-    readme = (REPO / "README.md").read_text()
-    return re.search(r"^### Ascend install.*?(?=^## )", readme, re.S | re.M).group(0)
+    page = (REPO / "docs" / "ascend.md").read_text()
+    return re.search(r"^### Ascend install.*?(?=^## )", page, re.S | re.M).group(0)
 
 
 def route_python() -> dict[str, str]:
-    """The Ascend route's Python as its two descriptions state it: environment.yml's `python=X.Y` and the README's
-    venv step (`pythonX.Y -m venv`)."""
+    """The Ascend route's Python as its two descriptions state it: environment.yml's `python=X.Y` and the venv
+    step of docs/ascend.md (`pythonX.Y -m venv`)."""
     env = re.findall(r"^\s*-\s*python\s*=\s*(3\.\d+)\s*$", (REPO / "environment.yml").read_text(), re.M)
     venv = re.findall(r"\bpython(3\.\d+) -m venv\b", ascend_section())
     assert len(env) == 1 and len(venv) == 1, (env, venv)
-    return {"environment.yml": env[0], "README": venv[0]}
+    return {"environment.yml": env[0], "docs/ascend.md": venv[0]}
 
 
 def route_conflicts(extra: list[str], arch: str, steps=ROUTE_STEPS, python: str = ic.ASCEND_PYTHON) -> list[str]:
@@ -187,7 +187,7 @@ def test_ascend_resolve_is_of_its_own_architecture(arch):
 
 @pytest.mark.parametrize("arch", ic.ARCHES)
 def test_the_routes_python_has_a_wheel_of_every_pin(arch):
-    """The Python that environment.yml and the README's venv step name must have a wheel of every distribution the
+    """The Python that environment.yml and docs/ascend.md's venv step name must have a wheel of every distribution the
     route pins (the extra, the steps outside PyPI, TRL), by the CPython tags recorded for each (python_tags)."""
     pins, problems = route_pins(PROPOSED_ASCEND, arch)
     assert problems == []
@@ -204,7 +204,7 @@ def test_the_routes_python_has_a_wheel_of_every_pin(arch):
 
 
 def test_the_routes_python_is_the_recorded_one():
-    """environment.yml and the README state one Python, the one the route's resolves were recorded for."""
+    """environment.yml and docs/ascend.md state one Python, the one the route's resolves were recorded for."""
     stated = route_python()
     assert set(stated.values()) == {ic.ASCEND_PYTHON}, stated
     for arch in ic.ARCHES:
@@ -212,7 +212,7 @@ def test_the_routes_python_is_the_recorded_one():
 
 
 def test_x86_64_resolve_puts_nvidia_triton_beside_triton_ascend():
-    """Why the route removes `triton` and reinstalls triton-ascend on x86_64 (README step; workbench env checks it):
+    """Why the route removes `triton` and reinstalls triton-ascend on x86_64 (a step of docs/ascend.md; workbench env checks it):
     vLLM's xgrammar asks for NVIDIA's triton on x86_64, and both distributions write site-packages/triton/."""
     _, x86 = closure("ascend", "x86_64")
     assert {"triton", "triton-ascend"} <= set(x86)

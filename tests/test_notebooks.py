@@ -155,13 +155,13 @@ def test_serving_notebook_attached_to_a_running_server(tmp_path, tiny_server):
 
 
 @pytest.mark.parametrize("flag, value, execute", [
-    ("-p", "trainer.max_steps=7 eval.max_tokens=32", True),     # the README's form: one space-separated string
+    ("-p", "trainer.max_steps=7 eval.max_tokens=32", True),     # docs/notebooks.md's first form: one string
     ("-p", '["trainer.max_steps=7", "eval.max_tokens=32"]', False),  # a list, typed as text (-p passes a string)
     ("-y", "overrides: [trainer.max_steps=7, eval.max_tokens=32]", False),  # a real list, as YAML
 ], ids=["p-words", "p-list-text", "y-list"])
 def test_papermill_cli_takes_overrides_the_obvious_ways(tmp_path, flag, value, execute):
     """Exactly as a user types it: the papermill command line, on the cheapest notebook; the run's recipe.yaml
-    shows both overrides arrived. The README's form runs the notebook on its kernel; the other two forms stop after
+    shows both overrides arrived. The first form runs the notebook on its kernel; the other two forms stop after
     papermill wrote its parameters cell (--prepare-only), which then runs with the notebook's own setup call here,
     as the kernel would run them."""
     import subprocess

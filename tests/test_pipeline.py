@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import chromium, free_port
+from conftest import chromium, free_port, script
 from test_notebooks import outputs_of, text_of
 from workbench.recipe import yaml_load
 
@@ -271,3 +271,17 @@ def test_resume_keeps_passed_stages_and_resumes_the_training(tmp_path):
     assert record["resumed"][0]["kept"] == ["env"] and record["resumed"][0]["again"] == []
     assert "failed_stage" not in record and record["results"]["env"]["status"] == "passed"
     assert (run.path / "report.html").exists() and any("resuming" in line for line in lines)
+
+
+def test_measure_reads_a_runs_figures(pipeline_run):
+    """scripts/measure.py's demo figures (docs/results/demo.json) are what the run directory recorded."""
+    run_dir, _ = pipeline_run
+    figures = script("measure").demo_figures(run_dir, 600.0)
+    summaries = {s["model"]: s for s in json.loads((run_dir / "eval" / "summary.json").read_text())}
+    assert figures["base_accuracy"] == summaries["base"]["accuracy_mean"]
+    assert figures["trained_accuracy"] == summaries["trained"]["accuracy_mean"]
+    assert figures["n"] == 24 and figures["minutes"] == 10.0 and figures["steps"] == 8
+    assert list(figures["stage_seconds"]) == ["env", "smoke", "train", "eval"]
+    assert all(v > 0 for v in figures["stage_seconds"].values()) and figures["step_seconds"] > 0
+    spread = figures["groups_with_spread"]
+    assert 0 <= spread["first_fifth"] <= 1 and 0 <= spread["last_fifth"] <= 1

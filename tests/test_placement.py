@@ -216,8 +216,9 @@ def test_a_single_cpu_trainer_with_role_variables_runs_in_a_process_that_has_the
 
 
 def test_the_tiny_model_runs_in_bfloat16_on_an_ascend_card():
-    """vllm-ascend's attention kernels take 16-bit inputs: the NPU smoke run (README: `workbench train --recipe smoke
-    devices.platform=npu ...`) serves and trains the tiny model in bfloat16, and says so in the server's command."""
+    """vllm-ascend's attention kernels take 16-bit inputs: the NPU smoke run of docs/ascend.md
+    (`workbench train --recipe smoke devices.platform=npu ...`) serves and trains the tiny model in bfloat16, and says
+    so in the server's command."""
     from workbench.serving import launch as serving_launch
 
     rr = _resolve("smoke", ["devices.platform=npu", "devices.server=[0]", "devices.trainer=[1]"])
@@ -282,7 +283,7 @@ def test_a_node_started_with_other_settings_is_refused_by_every_rank():
 def test_an_npu_run_directory_holds_the_recipe_its_trainer_process_reads(tmp_path):
     """On an Ascend card the tiny model runs in bf16 (the resolved recipe), while the run directory holds the recipe
     as loaded (float32, the CPU's); the trainer process re-resolves it: the check that the run's recipe is the one
-    being trained compares the loaded recipe, so the README's NPU smoke run starts."""
+    being trained compares the loaded recipe, so the NPU smoke run of docs/ascend.md starts."""
     from workbench.rundir import RunDir
     from workbench.training.train import _rank_recipe
 

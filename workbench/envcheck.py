@@ -276,7 +276,7 @@ def check_versions(report: Report, versions: dict, platform: str, cann: str | No
     if versions.get("vllm_ascend") and _v(versions["vllm_ascend"]) and _v(versions["vllm_ascend"]) >= Version("0.20.2rc1"):
         triton = versions.get("triton_ascend")
         report.add("versions", "triton-ascend", PASS if triton else FAIL, triton or "not installed",
-                   "" if triton else "vllm-ascend >= 0.20.2rc1 needs triton-ascend from Huawei's index (see README, Ascend)")
+                   "" if triton else "vllm-ascend >= 0.20.2rc1 needs triton-ascend from Huawei's index (see docs/ascend.md)")
     row, mismatches = closest_row(versions, cann)
     name = f"vllm-ascend {row['vllm_ascend']} / vLLM {row['vllm']} / torch {row['torch']} / torch_npu {row['torch_npu']} / CANN {row['cann']}"
     if not mismatches:

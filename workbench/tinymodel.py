@@ -188,7 +188,7 @@ PINNED_ENV = {
 }
 
 # Reference builds, by settings key (the cache directory's name): the weights' digest (weights_digest) and what they
-# score. A build whose digest differs says so instead of passing for the model the README's figures start from.
+# score. A build whose digest differs says so instead of passing for the reference (docs/results.md starts from it).
 # Made with `workbench tiny-model --force` (torch 2.13.0+cpu, MKL in its wheel, glibc 2.36) on a 2-core AMD EPYC.
 REFERENCE: dict[str, dict] = {
     # cpu-tiny and the recipes that extend it (the demo's): 250 steps on data seed 0's training split
@@ -339,8 +339,8 @@ def _build_into(target: Path, recipe: Recipe, log) -> Path:
         log(f"warning: these weights differ from the reference build of the same settings "
             f"({info['weights_sha256'][:12]} vs {reference['weights_sha256'][:12]}; reference held-out accuracy "
             f"{reference['heldout_accuracy']:.1%}, torch {reference['torch']}): results from this base are not "
-            f"comparable with the README's. The build is reproducible on x86-64 CPUs with AVX2 under the same "
-            f"torch; this machine has torch {info['torch']}")
+            f"comparable with those in docs/results.md. The build is reproducible on x86-64 CPUs with AVX2 under "
+            f"the same torch; this machine has torch {info['torch']}")
     return target
 
 

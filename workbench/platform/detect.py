@@ -33,7 +33,7 @@ def _first_line(text: object) -> str:
 def _npu_problem() -> str | None:
     """Why torch cannot use the Ascend device nodes here (None: it can)."""
     if importlib.util.find_spec("torch_npu") is None:
-        return "torch_npu is not installed (see the README's Ascend install)"
+        return "torch_npu is not installed (see the Ascend install in docs/ascend.md)"
     try:
         import torch
         import torch_npu  # noqa: F401  (registers torch.npu)

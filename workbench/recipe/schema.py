@@ -31,16 +31,16 @@ TINY_BUILD_VERSION = 3  # 3: built under tinymodel.PINNED_ENV, the same weights 
 @dataclass
 class TinyModelConfig:
     """Size and pre-training of the model `workbench tiny-model` builds (used when model.path is 'tiny')."""
-    seed: int = 0
-    vocab_size: int = 512
-    hidden_size: int = 256
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    seed: int = 0  # the pre-training's seed (`workbench protocol --data-seeds` sets it with data.seed)
+    vocab_size: int = 512  # byte-level BPE vocabulary the tokenizer is trained to (at most)
+    hidden_size: int = 256  # Qwen2 width
+    num_layers: int = 2  # Qwen2 decoder layers
+    num_heads: int = 4  # attention heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention)
     pretrain_steps: int = 200  # stop early on purpose: the model follows the format but is often wrong
-    batch_size: int = 32
-    learning_rate: float = 2e-3
-    warmup_steps: int = 20
+    batch_size: int = 32  # pre-training examples per step
+    learning_rate: float = 2e-3  # pre-training's peak learning rate
+    warmup_steps: int = 20  # pre-training's linear warm-up
     lr_schedule: Literal["cosine", "constant"] = "cosine"  # cosine (to 10%) | constant (noisier, higher entropy)
     eval_size: int = 300  # held-out problems scored after pre-training
 
@@ -48,6 +48,7 @@ class TinyModelConfig:
 @dataclass
 class ModelConfig:
     path: str = "tiny"  # 'tiny' (built by the workbench), a local Hugging Face directory, or a hub id
+    # the trainer's weights as loaded; auto: the checkpoint's own (float32 for the tiny model)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
@@ -57,14 +58,14 @@ class DataConfig:
     name: str = "arithmetic"  # arithmetic | gsm8k | math500 | aime2024 | file
     path: str | None = None  # local .jsonl/.json/.parquet instead of the hub
     fields: dict[str, str] | None = None  # our column -> file column: question, answer, id
-    split: str = "train"
+    split: str = "train"  # the split GRPO trains on
     seed: int = 0  # the data: arithmetic's splits and the tiny model built on them (trainer.seed: the training's)
     heldout_size: int = 300  # arithmetic only: problems kept out of training, the test split ("heldout")
     # problems kept out of training for choosing settings (eval.split: validation; `workbench protocol`):
     # arithmetic draws them, gsm8k takes its train split's last rows
     validation_size: int = 300
     train_size: int | None = None  # first N training rows; None = all
-    system_prompt: str | None = None
+    system_prompt: str | None = None  # a system message before each question (None: none)
     instruction: str | None = None  # appended to each question, e.g. where to put the final answer
     max_prompt_length: int = 64  # tokens, chat template included; longer prompts are an error, not a silent cut
 
@@ -76,19 +77,19 @@ class ServerConfig:
     mode: Literal["managed", "attach", "colocate", "off"] = "managed"
     url: str | None = None  # for attach, e.g. http://10.0.0.5:8001
     host: str = "127.0.0.1"  # loopback unless you mean it: weight-update endpoints are open on this address
-    port: int = 8000
-    served_model_name: str = "policy"
+    port: int = 8000  # the managed server's port (loopback by default)
+    served_model_name: str = "policy"  # the name the server answers to (vLLM's --served-model-name)
     max_model_len: int = 256  # must hold the longest prompt plus max_completion_length
-    dtype: str = "auto"
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.85
-    max_num_seqs: int | None = None
+    dtype: str = "auto"  # vLLM's --dtype
+    tensor_parallel_size: int = 1  # vLLM's --tensor-parallel-size: cards one replica spans
+    data_parallel_size: int = 1  # vLLM's --data-parallel-size: replicas behind one endpoint
+    gpu_memory_utilization: float = 0.85  # vLLM's share of each card's memory (accelerators)
+    max_num_seqs: int | None = None  # vLLM's --max-num-seqs: sequences in one batch (None: vLLM's default)
     max_num_batched_tokens: int | None = None  # chunked prefill: caps the long-tail prefill spikes
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # vLLM's --enforce-eager: no graph capture (faster start, slower decode)
     kv_cache_space_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
     api_key_env: str | None = None  # name of the environment variable holding the API key, never the key
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = 300.0  # a server not healthy this long after its start fails with its log's tail
     # auto: lora when the recipe has a peft: section, else nccl on CUDA, hccl on Ascend, reload elsewhere
     weight_sync: Literal["auto", "nccl", "hccl", "reload", "lora", "none"] = "auto"
     sync_dir: str | None = None  # reload adapter's directory (only the workbench's files in it); default /dev/shm
@@ -157,6 +158,7 @@ class RolloutConfig:
 
 @dataclass
 class DevicesConfig:
+    # auto: npu where /dev/davinci* works, else cuda where /dev/nvidia* works, else cpu (WORKBENCH_PLATFORM forces one)
     platform: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     server: list[int] = field(default_factory=lambda: [0])  # device ids (CPU: cores) that serve
     trainer: list[int] = field(default_factory=lambda: [1])  # device ids (CPU: cores) that train
@@ -171,7 +173,7 @@ class DistributedConfig:
     node_rank: int = 0  # this machine's index among them (0 = the main node)
     main_address: str = "127.0.0.1"  # the main node's address as the other nodes reach it
     main_port: int = 29500  # the trainers' rendezvous port on the main node
-    strategy: Literal["ddp", "deepspeed", "fsdp"] = "ddp"
+    strategy: Literal["ddp", "deepspeed", "fsdp"] = "ddp"  # accelerate's: ddp, deepspeed (zero_stage) or fsdp
     zero_stage: Literal[1, 2, 3] = 2  # deepspeed only (3 shards the weights too)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 when trainer.bf16 on an accelerator
     device_memory_gib: float | None = None  # per card, for `workbench plan` (None: 64 on a 910B, 80 on CUDA)
@@ -179,10 +181,10 @@ class DistributedConfig:
 
 @dataclass
 class MonitorConfig:
-    runs_dir: str = "runs"
+    runs_dir: str = "runs"  # where run directories are made (relative to the working directory)
     sample_interval_s: float = 1.0  # device and server sampling period
-    dashboard: bool = True
-    completions_shown: int = 4
+    dashboard: bool = True  # the live dashboard in the training notebook
+    completions_shown: int = 4  # recent completions the dashboard and report show
     # GRPO groups recorded per training step for the group inspector (train/groups/), drawn at random; 0 = none
     groups_per_step: int = 16
     # weight-parity canary: every N optimizer steps (0 = off) a fixed probe set is scored by the server and by the
@@ -205,16 +207,16 @@ ANALYSIS_COLUMNS = ("id", "base", "trained", *ANALYSIS_OUTCOMES, "outcome", "bas
 
 @dataclass
 class EvalConfig:
-    split: str = "heldout"
-    num_samples: int = 300
-    repeats: int = 1
-    concurrency: int = 8
-    endpoint: Literal["chat", "completions"] = "chat"
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 1234
-    max_tokens: int = 48
-    stop: list[str] = field(default_factory=list)
+    split: str = "heldout"  # heldout (the test split) to report; validation while choosing settings
+    num_samples: int = 300  # problems scored (the first N of the split)
+    repeats: int = 1  # times each problem is asked: accuracy's mean and spread over them
+    concurrency: int = 8  # requests in flight at once
+    endpoint: Literal["chat", "completions"] = "chat"  # chat (the chat template) or completions (the raw prompt)
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling when temperature > 0
+    seed: int = 1234  # the requests' sampling seed (plus the repeat's index)
+    max_tokens: int = 48  # tokens per answer; a longer answer is cut and counts as truncated
+    stop: list[str] = field(default_factory=list)  # stop strings (empty: none but the end of sequence)
     retries: int = 3  # per request, on connection errors, timeouts and 5xx
     # dataset fields the base-vs-trained analysis breaks its counts down by (workbench/evaluation/analysis.py):
     # arithmetic: operation, carry, phrasing (empty: all three); a dataset: any column of its records
@@ -223,9 +225,9 @@ class EvalConfig:
     # trainer's own) are scored on the first during_samples problems of during_split, greedily, with this section's
     # request settings (training/evalcurve.py; 0: off). keep_best keeps the best-scoring step's model in train/best
     every_steps: int = 0
-    during_split: str = "validation"
-    during_samples: int = 100
-    keep_best: bool = False
+    during_split: str = "validation"  # the learning curve's split
+    during_samples: int = 100  # the learning curve's problems (the first N of during_split)
+    keep_best: bool = False  # keep the learning curve's best step's model in train/best
 
 
 # --max-lora-rank values vLLM accepts (vllm/config/lora.py MaxLoRARanks, 0.23.0 to 0.32.0)
@@ -237,8 +239,8 @@ DERIVED_PEFT_KEYS = ("task_type", "peft_type", "base_model_name_or_path", "revis
 
 @dataclass
 class Recipe:
-    name: str = "custom"
-    description: str = ""
+    name: str = "custom"  # the recipe's name: run directories and reports carry it
+    description: str = ""  # one line for `workbench recipe list`
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     server: ServerConfig = field(default_factory=ServerConfig)

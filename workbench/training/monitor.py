@@ -9,8 +9,8 @@ raises) is a warning, never a dead rank: one error line in devices.jsonl, a `pro
 (the dashboard's and the report's events table shows its text) and a line on stderr, and the training goes on without
 device samples while the /metrics scraper keeps sampling. The doubts of a probe that works (`probe.warnings`: a device
 order it cannot prove) become `probe_warning` events too. Later failures are written as error lines and counted,
-never allowed to stop the training. The thread's own CPU time is measured (`overhead()`), which is how the README's
-overhead figure is obtained.
+never allowed to stop the training. The thread's own CPU time is measured (`overhead()`), which is how the sampler's
+overhead is reported (train.json).
 """
 from __future__ import annotations
 

@@ -1,0 +1,448 @@
+"""Every figure the README and docs/results.md state, measured on the current commit.
+
+    make measure                                  # python scripts/measure.py --quick: the demo and the tiny bench
+    MEASURE=--full make measure                   # + the bench at ~100M and the protocol over 3 bases x 3 seeds
+    python scripts/measure.py --only bench        # one measurement (demo, bench, bench-100m, protocol)
+    python scripts/measure.py --suite JUNIT.xml --commit SHA   # the suite's timing, from `make test`'s JUnit XML
+    python scripts/measure.py --render            # docs/results.md and the README's block, from the files alone
+
+Each measurement runs the workbench's own commands (`workbench run`, `workbench bench`, `workbench protocol`) into
+runs/measure-<time>/ and writes docs/results/<name>.json: the commit it measured, whether the tree was clean, the
+date, the machine (CPU model and vector extensions, cores, memory), the versions, the command and its figures.
+docs/results.md and the block between the README's `<!-- measured:begin -->` and `<!-- measured:end -->` lines are
+rendered from those files and nothing else; tests/test_results.py fails when either differs from what the files
+render, or when a file is older than the last commit that changed the code it measured.
+
+A measurement refuses a tree whose measured code has uncommitted changes (the figure would name a commit that is
+not what ran). The suite's timing is the exception to freshness: it is measured by running the suite, so it is
+always of a commit before the one that records it (its commit and date are shown beside it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from xml.etree import ElementTree
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "docs" / "results"
+PAGE = REPO / "docs" / "results.md"
+README = REPO / "README.md"
+BEGIN, END = "<!-- measured:begin -->", "<!-- measured:end -->"
+
+DEMO_RECIPE = "cpu-tiny-async"  # what `make demo` runs
+BENCH_RECIPE = "cpu-tiny"
+PROTOCOL_DATA_SEEDS = "0,1,2"
+PROTOCOL_SEEDS = "1,2,3"
+
+# What each measurement's figures depend on: a commit touching one of these after the measured commit makes the
+# file stale (tests/test_results.py). The notebooks `workbench run` executes are package data (workbench/notebooks).
+MEASURED = {
+    "demo": ["workbench", "pyproject.toml", "Makefile"],
+    "bench": ["workbench", "pyproject.toml"],
+    "bench-100m": ["workbench", "pyproject.toml"],
+    "protocol": ["workbench", "pyproject.toml"],
+}
+QUICK = ["demo", "bench"]
+FULL = ["demo", "bench", "bench-100m", "protocol"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where and on what
+
+def git(*args: str, cwd: Path = REPO) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def dirty(paths: list[str], cwd: Path = REPO) -> list[str]:
+    """The measured paths with uncommitted changes (tracked or not)."""
+    out = git("status", "--porcelain", "--", *paths, cwd=cwd)
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
+def machine() -> dict:
+    """The CPU (model, vector extensions), cores this process may use, memory, accelerator."""
+    import psutil
+
+    model, flags = platform.machine(), set()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                     model)
+        flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")),
+                         []))
+    except OSError:
+        pass
+    vector = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AMX", "amx_tile")) if flag in flags]
+    cores = len(os.sched_getaffinity(0))
+    memory = psutil.virtual_memory().total / 2**30
+    accelerator = "none"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            accelerator = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - no torch, no accelerator to name
+        pass
+    return {"cpu": model, "vector": vector, "cores": cores, "memory_gib": round(memory, 1), "accelerator": accelerator,
+            "summary": f"{model} ({', '.join(vector) or 'no AVX2'}), {cores} cores, {memory:.0f} GiB, "
+                       f"accelerator: {accelerator}"}
+
+
+def versions() -> dict:
+    from workbench.envcheck import installed_versions
+
+    return {k: v for k, v in installed_versions().items() if v and k in
+            ("python", "torch", "vllm", "trl", "transformers", "accelerate", "peft")}
+
+
+def record(name: str, command: str, seconds: float, figures: dict, commit: str, clean: bool) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = {"name": name, "commit": commit, "clean": clean, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": machine(), "versions": versions(), "command": command, "seconds": round(seconds, 1),
+            "figures": figures}
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_results() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))} if RESULTS.exists() else {}
+
+
+def workbench(args: list[str], log: Path) -> float:
+    """One workbench command, its output in `log`; its seconds. A failure stops the measurement with the log's tail."""
+    started = time.time()
+    with open(log, "w") as out:
+        done = subprocess.run([str(Path(sys.executable).parent / "workbench"), *args], stdout=out,
+                              stderr=subprocess.STDOUT, cwd=REPO)
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"measure: `workbench {' '.join(args)}` failed ({done.returncode}); its log: {log}\n{tail}")
+    return time.time() - started
+
+
+def only_dir(root: Path, pattern: str) -> Path:
+    found = sorted(root.glob(pattern))
+    if len(found) != 1:
+        raise SystemExit(f"measure: expected one {pattern} under {root}, found {[p.name for p in found]}")
+    return found[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The measurements
+
+def measure_demo(root: Path) -> tuple[str, float, dict]:
+    seconds = workbench(["run", "--recipe", DEMO_RECIPE, f"monitor.runs_dir={root / 'demo'}"], root / "demo.log")
+    return f"workbench run --recipe {DEMO_RECIPE}", seconds, demo_figures(only_dir(root / "demo", "*"), seconds)
+
+
+def demo_figures(path: Path, seconds: float) -> dict:
+    """What a `workbench run` directory says: base and trained accuracy on the evaluated split, stage times, the
+    training's steps, the learning curve and its cost, the signal and the drift."""
+    from workbench.observe.rundata import load
+    from workbench.rundir import RunDir
+    from workbench.training.drift import KEY as DRIFT
+    from workbench.training.groups import ZERO_SPREAD
+
+    run = RunDir.open(path)
+    record_ = json.loads(run.record.read_text())
+    evaluation = {s["model"]: s for s in json.loads(run.eval.summary.read_text())}
+    base, trained = evaluation["base"], evaluation["trained"]
+    data = load(run.train)
+    rows = data.train_metrics
+    steps = [r["time/step"] for r in rows if isinstance(r.get("time/step"), (int, float))]
+    curve_cost = [r["time/eval_curve"] for r in rows if isinstance(r.get("time/eval_curve"), (int, float))]
+    fifth = max(1, len(rows) // 5)
+
+    def spread_share(part: list[dict]) -> float | None:
+        values = [r[ZERO_SPREAD] for r in part if isinstance(r.get(ZERO_SPREAD), (int, float))]
+        return 1 - statistics.fmean(values) if values else None
+
+    points = data.eval_curve
+    best = max(points, key=lambda p: (p["accuracy"], -p["step"])) if points else None
+    drift = [r[DRIFT] for r in rows if isinstance(r.get(DRIFT), (int, float))]
+    summary = data.train_summary or {}
+    return {
+        "split": base.get("split", "heldout"), "n": base["n"],
+        "base_accuracy": base["accuracy_mean"], "trained_accuracy": trained["accuracy_mean"],
+        "gain_points": (trained["accuracy_mean"] - base["accuracy_mean"]) * 100,
+        "minutes": seconds / 60,
+        "stage_seconds": {stage: r.get("seconds") for stage, r in record_["results"].items()},
+        "steps": summary.get("steps"), "train_seconds": summary.get("train_seconds"),
+        "step_seconds": statistics.median(steps) if steps else None,
+        "curve": ({"split": points[0].get("split", "validation"), "n": points[0]["n"], "points": len(points),
+                   "start": points[0]["accuracy"], "best": best["accuracy"], "best_step": best["step"],
+                   "last": points[-1]["accuracy"], "last_step": points[-1]["step"],
+                   "cost_share": sum(curve_cost) / sum(steps) if steps and curve_cost else None} if points else None),
+        "groups_with_spread": {"first_fifth": spread_share(rows[:fifth]), "last_fifth": spread_share(rows[-fifth:])},
+        "kl_probes": {"max": max(drift), "last": drift[-1]} if drift else None,
+    }
+
+
+def _bench(root: Path, name: str, sizes: str, paths: str) -> tuple[str, float, dict]:
+    args = ["bench", "--recipe", BENCH_RECIPE, "--sizes", sizes, "--paths", paths, "--repeats", "3",
+            f"monitor.runs_dir={root / name}"]
+    seconds = workbench(args, root / f"{name}.log")
+    return " ".join(["workbench", *args[:-1]]), seconds, bench_figures(only_dir(root / name, "*"))
+
+
+def bench_figures(path: Path) -> dict:
+    """What a `workbench bench` directory says, per path: its median step, its repeats, its ratio to the
+    synchronous server path's step of the same repeat (median and range), its generation rate and push."""
+    from workbench.experiments.bench import Bench
+    from workbench.rundir import RunDir
+
+    bench = Bench.load(RunDir.open(path).bench)
+    (size,) = {r.size for r in bench.results}
+    rows = {}
+    for r in bench.medians():
+        ratios = bench.ratios(r.size, r.path) if r.path != "server" else []
+        rows[r.path] = {"step_seconds": r.step_seconds,
+                        "step_seconds_repeats": [x.step_seconds for x in bench.repeats_of(r.size, r.path)],
+                        "ratio_to_server": statistics.median(ratios) if ratios else None,
+                        "ratio_range": [min(ratios), max(ratios)] if ratios else None,
+                        "generation_tokens_per_second": r.generation_tokens_per_second,
+                        "sync_megabytes": r.sync_megabytes, "sync_seconds": r.sync_seconds}
+    return {"size": size, "parameters": (bench.sizes.get(size) or {}).get("parameters"), "repeats": bench.repeats,
+            "steps": bench.steps, "paths": rows}
+
+
+def measure_bench(root: Path) -> tuple[str, float, dict]:
+    return _bench(root, "bench", "tiny", "in-process,server,async")
+
+
+def measure_bench_100m(root: Path) -> tuple[str, float, dict]:
+    return _bench(root, "bench-100m", "100m", "server,async")
+
+
+def measure_protocol(root: Path) -> tuple[str, float, dict]:
+    from workbench.experiments.protocol import Protocol
+    from workbench.rundir import RunDir
+
+    args = ["protocol", "--recipe", DEMO_RECIPE, "--data-seeds", PROTOCOL_DATA_SEEDS, "--seeds", PROTOCOL_SEEDS,
+            f"monitor.runs_dir={root / 'protocol'}"]
+    seconds = workbench(args, root / "protocol.log")
+    run = RunDir.open(only_dir(root / "protocol", "*"))
+    result = Protocol.from_json(json.loads(run.protocol.json.read_text()))
+    gains = [g * 100 for g in result.gains()]
+    test = [o for o in result.test if o.candidate == result.chosen]
+    figures = {"gain_mean": statistics.fmean(gains), "gain_std": statistics.stdev(gains) if len(gains) > 1 else None,
+               "trainings": len(gains), "data_seeds": result.data_seeds, "seeds": result.seeds,
+               "base_means": {str(d): g for d, g in result.base_means().items()},
+               "base_accuracy": {str(o.data_seed): o.base for o in test},
+               "headline": result.headline()}
+    return " ".join(["workbench", *args[:-1]]), seconds, figures
+
+
+MEASURES = {"demo": measure_demo, "bench": measure_bench, "bench-100m": measure_bench_100m,
+            "protocol": measure_protocol}
+
+
+def suite_figures(junit: Path) -> dict:
+    root = ElementTree.parse(junit).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    count = lambda key: sum(int(s.get(key) or 0) for s in suites)  # noqa: E731
+    tests, failures, errors, skipped = count("tests"), count("failures"), count("errors"), count("skipped")
+    return {"tests": tests, "passed": tests - failures - errors - skipped, "failed": failures, "errors": errors,
+            "skipped": skipped, "seconds": sum(float(s.get("time") or 0) for s in suites),
+            "workers": 2}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rendering: docs/results.md and the README's block, from the files only
+
+def pct(x: float | None) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1%}"
+
+
+def short(commit: str) -> str:
+    return commit[:10]
+
+
+def readme_block(results: dict[str, dict]) -> str:
+    """The README's measured lines: what `make demo` gives a newcomer, and the async ratio, each with its machine."""
+    lines = [BEGIN]
+    demo = results.get("demo")
+    if demo:
+        f = demo["figures"]
+        lines += [f"**Measured** (`make measure`, {demo['date'][:10]}, {demo['machine']['summary']}; one run of "
+                  f"`make demo` without the install, one training seed): **{f['minutes']:.0f} min**, test accuracy "
+                  f"**{pct(f['base_accuracy'])} → {pct(f['trained_accuracy'])} ({f['gain_points']:+.1f} points)** on "
+                  f"the {f['n']} held-out problems."]
+        curve = f.get("curve")
+        if curve:
+            cost = f", {curve['cost_share']:.1%} of the step time" if curve.get("cost_share") is not None else ""
+            lines.append(f"The learning curve on {curve['n']} validation problems: {pct(curve['start'])} at the start, "
+                         f"best {pct(curve['best'])} at step {curve['best_step']}, {pct(curve['last'])} at step "
+                         f"{curve['last_step']} ({curve['points']} points{cost}).")
+    bench = results.get("bench")
+    if bench:
+        a = (bench["figures"]["paths"].get("async") or {})
+        if a.get("ratio_to_server") is not None:
+            lo, hi = a["ratio_range"]
+            lines.append(f"Async rollouts on the demo's model: a step takes {a['ratio_to_server']:.2f}× the synchronous "
+                         f"server step (range {lo:.2f}–{hi:.2f} over {bench['figures']['repeats']} repeats; "
+                         f"{bench['machine']['summary']}).")
+    protocol = results.get("protocol")
+    if protocol:
+        f = protocol["figures"]
+        spread = f" ± {f['gain_std']:.1f}" if f.get("gain_std") is not None else ""
+        lines.append(f"Over {len(f['data_seeds'])} base models × {len(f['seeds'])} training seeds (`workbench "
+                     f"protocol`): test gain {f['gain_mean']:+.1f}{spread} points.")
+    if len(lines) == 1:
+        lines.append("No figure is measured on this code yet: `make measure` writes them.")
+    lines.append("Every figure, its machine and its command: [docs/results.md](docs/results.md).")
+    return "\n".join(lines + [END])
+
+
+def results_page(results: dict[str, dict]) -> str:
+    out = ["# Results", "",
+           "Generated by `python scripts/measure.py` from docs/results/*.json: do not edit by hand. `make measure`",
+           "(`--quick`: the demo and the tiny bench) or `MEASURE=--full make measure` (with the ~100M bench and the",
+           "protocol over base models and seeds) measures them again on the current commit. Each section names the",
+           "commit it measured, the machine and the command.", ""]
+
+    def head(title: str, r: dict) -> list[str]:
+        v = ", ".join(f"{k} {x}" for k, x in r["versions"].items())
+        return [f"## {title}", "", f"`{r['command']}` on commit `{short(r['commit'])}`, {r['date']}; "
+                                    f"{r['machine']['summary']}; {v}. {r['seconds'] / 60:.1f} min.", ""]
+
+    demo = results.get("demo")
+    if demo:
+        f = demo["figures"]
+        out += head("The demo (`make demo`)", demo)
+        out += ["| | |", "|---|---|",
+                f"| test accuracy ({f['n']} held-out problems) | {pct(f['base_accuracy'])} → "
+                f"{pct(f['trained_accuracy'])} ({f['gain_points']:+.1f} points), one training seed |",
+                "| stages (s) | " + ", ".join(f"{k} {v:.0f}" for k, v in f["stage_seconds"].items()
+                                              if v is not None) + " |",
+                f"| training | {f['steps']} steps in {f['train_seconds']:.0f} s, median step {f['step_seconds']:.2f} s |"]
+        curve = f.get("curve")
+        if curve:
+            cost = f"; its cost {curve['cost_share']:.1%} of the step time" if curve.get("cost_share") is not None else ""
+            out.append(f"| learning curve ({curve['n']} {curve['split']} problems, {curve['points']} points) | "
+                       f"{pct(curve['start'])} → best {pct(curve['best'])} (step {curve['best_step']}) → "
+                       f"{pct(curve['last'])} (step {curve['last_step']}){cost} |")
+        g = f.get("groups_with_spread") or {}
+        if g.get("first_fifth") is not None:
+            out.append(f"| groups with reward spread (first → last fifth of the steps) | {pct(g['first_fifth'])} → "
+                       f"{pct(g['last_fifth'])} |")
+        if f.get("kl_probes"):
+            out.append(f"| KL from the start on the probes (nats/token) | max {f['kl_probes']['max']:.3g}, last "
+                       f"{f['kl_probes']['last']:.3g} |")
+        out += ["", "One run and one seed: the gain's spread over seeds and base models is the protocol's "
+                    "(below, `--full`).", ""]
+    for name, title in (("bench", "The bench on the demo's model"), ("bench-100m", "The bench at ~100M parameters")):
+        r = results.get(name)
+        if not r:
+            continue
+        f = r["figures"]
+        out += head(title, r)
+        params = f" ({f['parameters'] / 1e6:.2f}M parameters)" if f.get("parameters") else ""
+        out += [f"Size {f['size']}{params}, {f['steps']} measured steps per training, {f['repeats']} repeats taking "
+                "turns; the ratio is each repeat's step time over the synchronous server path's of the same repeat "
+                "(median, range).", "",
+                "| path | step s (median) | step s (repeats) | × server step | generation tok/s | push MB | push s |",
+                "|---|---|---|---|---|---|---|"]
+        for path, p in f["paths"].items():
+            ratio = (f"{p['ratio_to_server']:.2f} ({p['ratio_range'][0]:.2f}–{p['ratio_range'][1]:.2f})"
+                     if p.get("ratio_to_server") is not None else "—")
+            gen = f"{p['generation_tokens_per_second']:.0f}" if p.get("generation_tokens_per_second") else "—"
+            out.append(f"| {path} | {p['step_seconds']:.2f} | "
+                       + ", ".join(f"{x:.2f}" for x in p["step_seconds_repeats"])
+                       + f" | {ratio} | {gen} | {p['sync_megabytes']:.1f} | {p['sync_seconds']:.3f} |")
+        out.append("")
+    protocol = results.get("protocol")
+    out += ["## The protocol over base models and seeds", ""]
+    if protocol:
+        f = protocol["figures"]
+        out += head("", protocol)[2:]
+        out += [f["headline"], "", "| base (data seed) | test base accuracy | mean gain (points) |", "|---|---|---|"]
+        for d, g in f["base_means"].items():
+            out.append(f"| {d} | {pct(f['base_accuracy'].get(d))} | {g:+.1f} |")
+        out.append("")
+    else:
+        out += ["Not measured on this code: `MEASURE=--full make measure` runs it (hours on two cores).", ""]
+    suite = results.get("suite")
+    out += ["## The test suite", ""]
+    if suite:
+        f = suite["figures"]
+        out += [f"`{suite['command']}` on commit `{short(suite['commit'])}`, {suite['date']}; "
+                f"{suite['machine']['summary']}: **{f['passed']} passed, {f['failed']} failed, {f['errors']} errors, "
+                f"{f['skipped']} skipped in {f['seconds'] / 60:.1f} min** on {f['workers']} workers. Its time per "
+                "file: tests/README.md. (The suite's own timing is of the commit before the one that records it.)", ""]
+    else:
+        out += ["Not recorded yet: `python scripts/measure.py --suite JUNIT.xml` after `make test`.", ""]
+    return "\n".join(out)
+
+
+def with_block(readme: str, block: str) -> str:
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    if not pattern.search(readme):
+        raise SystemExit(f"measure: README.md has no {BEGIN} ... {END} block to fill")
+    return pattern.sub(lambda _: block, readme, count=1)
+
+
+def render() -> None:
+    results = load_results()
+    PAGE.parent.mkdir(parents=True, exist_ok=True)
+    PAGE.write_text(results_page(results))
+    README.write_text(with_block(README.read_text(), readme_block(results)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} (the default; about 25 min on 2 cores)")
+    what.add_argument("--full", action="store_true", help=f"{', '.join(FULL)} (hours)")
+    what.add_argument("--only", choices=sorted(MEASURES), action="append", help="one measurement (repeatable)")
+    what.add_argument("--suite", metavar="JUNIT", type=Path, help="record the suite's timing from this JUnit XML")
+    what.add_argument("--render", action="store_true", help="only render docs/results.md and the README block")
+    parser.add_argument("--commit", help="with --suite: the commit the suite ran on (default: HEAD)")
+    parser.add_argument("--command", default="make test", help="with --suite: how the suite was run")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="measure a tree with uncommitted changes (recorded as not clean; the test refuses it)")
+    args = parser.parse_args(argv)
+
+    if args.render:
+        render()
+        return 0
+    if args.suite:
+        commit = args.commit or git("rev-parse", "HEAD")
+        record("suite", args.command, 0.0, suite_figures(args.suite), commit, True)
+        render()
+        return 0
+    names = args.only or (FULL if args.full else QUICK)
+    changed = sorted({p for name in names for p in dirty(MEASURED[name])})
+    if changed and not args.allow_dirty:
+        raise SystemExit(f"measure: uncommitted changes in what is measured ({', '.join(changed[:5])}); commit them "
+                         "first, so the figures name the code that ran (or --allow-dirty for a trial)")
+    commit = git("rev-parse", "HEAD")
+    root = REPO / "runs" / f"measure-{time.strftime('%Y%m%d-%H%M%S')}"
+    root.mkdir(parents=True)
+    print(f"measure: {', '.join(names)} on {short(commit)}; runs and logs in {root}", flush=True)
+    for name in names:
+        started = time.time()
+        command, seconds, figures = MEASURES[name](root)
+        path = record(name, command, seconds, figures, commit, not changed)
+        print(f"measure: {name} in {(time.time() - started) / 60:.1f} min -> {path.relative_to(REPO)}", flush=True)
+        render()  # after each: a later failure keeps what was measured
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The README's figures are the measured ones (scripts/measure.py, `make measure`, docs/results/*.json).
+
+The README states measured figures only inside its `<!-- measured:begin -->` block, which is rendered from the
+results files, as docs/results.md is; a results file must name a commit of this history, measured on a clean tree,
+and no later commit may have changed the code it measured (its figures would describe other code). The suite's own
+timing is exempt from the last rule: it is measured by running the suite, always on the commit before the one that
+records it.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from conftest import REPO, script
+
+measure = script("measure")
+
+
+def git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def _outside_block(readme: str) -> str:
+    start, end = readme.index(measure.BEGIN), readme.index(measure.END)
+    return readme[:start] + readme[end + len(measure.END):]
+
+
+def test_the_readme_block_and_the_results_page_are_what_the_files_render():
+    results = measure.load_results()
+    readme = measure.README.read_text()
+    assert readme.count(measure.BEGIN) == 1 and readme.count(measure.END) == 1, "the README's measured block"
+    assert measure.with_block(readme, measure.readme_block(results)) == readme, \
+        "README.md's measured block differs from docs/results/*.json: python scripts/measure.py --render"
+    assert measure.PAGE.read_text() == measure.results_page(results), \
+        "docs/results.md differs from docs/results/*.json: python scripts/measure.py --render"
+
+
+def test_every_results_file_measured_this_history_and_its_code_has_not_changed_since():
+    if git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("a shallow clone: the results files' commits are not in its history (clone without --depth)")
+    results = measure.load_results()
+    assert set(results) <= set(measure.MEASURED) | {"suite"}, sorted(results)
+    stale = []
+    for name, r in results.items():
+        assert re.fullmatch(r"[0-9a-f]{40}", r["commit"]), (name, r["commit"])
+        assert r["clean"], f"docs/results/{name}.json was measured on a tree with uncommitted changes"
+        known = git("merge-base", "--is-ancestor", r["commit"], "HEAD")
+        assert known.returncode == 0, f"docs/results/{name}.json measured {r['commit'][:10]}, not in this history"
+        if name == "suite":
+            continue
+        later = git("log", "--format=%h %s", f"{r['commit']}..HEAD", "--", *measure.MEASURED[name]).stdout.strip()
+        if later:
+            stale.append(f"{name} (measured {r['commit'][:10]}; changed since by: {later.splitlines()[0][:90]}"
+                         f"{f' and {len(later.splitlines()) - 1} more' if len(later.splitlines()) > 1 else ''})")
+    assert not stale, "results older than the code they measure: " + "; ".join(stale) + " - run `make measure`"
+
+
+# A measured-looking figure: a percentage, a duration, a ratio, a spread, a points gain, a speed.
+FIGURE = re.compile(r"\d+(?:\.\d+)?\s?(?:%|min\b|minutes\b|seconds\b|s\b(?![-_])|×|points\b|tok(?:ens)?/s\b|GB/s\b)"
+                    r"|±\s?\d|\b\d+ passed\b", re.I)
+
+
+def test_the_readme_states_measured_figures_only_in_its_block():
+    from workbench import tinymodel
+
+    # not a measurement of this code: the pinned tiny model's recorded base accuracy (workbench/tinymodel.py
+    # REFERENCE; tests/test_tinymodel.py checks a fresh build against it)
+    recorded = {f"{r['heldout_accuracy']:.1%}" for r in tinymodel.REFERENCE.values()}
+    found = [m.group(0) for m in FIGURE.finditer(_outside_block(measure.README.read_text()))]
+    assert [f for f in found if f.replace(" ", "") not in recorded] == [], \
+        "figures outside the README's measured block: state them through scripts/measure.py or remove them"
+
+
+def test_a_figure_outside_the_block_or_a_stale_block_is_caught(tmp_path):
+    """The checks above can fail: a hand-written figure is found, and a block that differs from the files is not
+    what they render."""
+    results = {"demo": {"date": "2026-01-01 00:00 UTC", "machine": {"summary": "a box"}, "figures": {
+        "minutes": 12.0, "base_accuracy": 0.5, "trained_accuracy": 0.6, "gain_points": 10.0, "n": 300, "curve": None}}}
+    block = measure.readme_block(results)
+    assert "50.0% → 60.0% (+10.0 points)" in block and "12 min" in block and "a box" in block
+    readme = f"# x\n\n{block}\n\nThe demo gains +18.0 points in 13 min.\n"
+    found = [m.group(0) for m in FIGURE.finditer(_outside_block(readme))]
+    assert found == ["18.0 points", "13 min"]
+    edited = readme.replace("60.0%", "61.0%")
+    assert measure.with_block(edited, measure.readme_block(results)) != edited
+
+
+def test_the_recipe_reference_is_the_schemas_with_every_key_explained():
+    """docs/recipe-reference.md is what scripts/recipe_reference.py makes of the schema now, and it names every
+    field of every section (read by dataclasses, not by the script's parser), each with what it does."""
+    import dataclasses
+
+    from workbench.recipe import schema
+
+    page = script("recipe_reference").page()
+    assert (REPO / "docs" / "recipe-reference.md").read_text() == page, \
+        "docs/recipe-reference.md differs from the schema: python scripts/recipe_reference.py"
+
+    def keys(cls, prefix: str) -> list[str]:
+        out = []
+        for f in dataclasses.fields(cls):
+            kind = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if dataclasses.is_dataclass(kind):
+                out += keys(kind, f"{prefix}{f.name}.")
+            else:
+                out.append(f"{prefix}{f.name}")
+        return out
+
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w.]+)` \|.*\| ([^|]*) \|$", page, re.M)}
+    expected = keys(schema.Recipe, "")
+    assert set(expected) <= set(rows), sorted(set(expected) - set(rows))
+    assert [k for k in expected if not rows[k].strip()] == [], "keys without a comment in workbench/recipe/schema.py"
