@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3,
                    help="trainings per path, taking turns; ratios get their spread over them (default: 3)")
     p.add_argument("--sizes", help="comma-separated: tiny,100m (default: both for a tiny-model recipe)")
-    p.add_argument("--paths", help="comma-separated: in-process,colocate,server,async (default: all)")
+    p.add_argument("--paths", help="comma-separated: in-process,colocate,server,async,lora (default: all)")
     p.add_argument("--concurrency", default="1,2,4", metavar="C1,C2,...",
                    help="training requests in flight for the server's saturated throughput (default: 1,2,4)")
     p = add("compare", "runs side by side: recipe keys that differ, outcomes, overlaid curves",
