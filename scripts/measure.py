@@ -227,14 +227,19 @@ def measure_bench_100m(root: Path) -> tuple[str, float, dict]:
 
 
 def measure_protocol(root: Path) -> tuple[str, float, dict]:
-    from workbench.experiments.protocol import Protocol
-    from workbench.rundir import RunDir
-
     args = ["protocol", "--recipe", DEMO_RECIPE, "--data-seeds", PROTOCOL_DATA_SEEDS, "--seeds", PROTOCOL_SEEDS,
             f"monitor.runs_dir={root / 'protocol'}"]
     seconds = workbench(args, root / "protocol.log")
-    run = RunDir.open(only_dir(root / "protocol", "*"))
-    result = Protocol.from_json(json.loads(run.protocol.json.read_text()))
+    return " ".join(["workbench", *args[:-1]]), seconds, protocol_figures(only_dir(root / "protocol", "*-protocol"))
+
+
+def protocol_figures(path: Path) -> dict:
+    """What a `workbench protocol` directory says: the chosen setting's test gain, mean and sample std over every
+    (base, seed) training, per base its mean and its base accuracy."""
+    from workbench.experiments.protocol import Protocol
+    from workbench.rundir import RunDir
+
+    result = Protocol.from_json(json.loads(RunDir.open(path).protocol.json.read_text()))
     gains = [g * 100 for g in result.gains()]
     test = [o for o in result.test if o.candidate == result.chosen]
     figures = {"gain_mean": statistics.fmean(gains), "gain_std": statistics.stdev(gains) if len(gains) > 1 else None,
@@ -242,7 +247,7 @@ def measure_protocol(root: Path) -> tuple[str, float, dict]:
                "base_means": {str(d): g for d, g in result.base_means().items()},
                "base_accuracy": {str(o.data_seed): o.base for o in test},
                "headline": result.headline()}
-    return " ".join(["workbench", *args[:-1]]), seconds, figures
+    return figures
 
 
 MEASURES = {"demo": measure_demo, "bench": measure_bench, "bench-100m": measure_bench_100m,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, workbench_command
+from conftest import free_port, script, workbench_command
 from workbench import recipe
 from workbench.errors import WorkbenchError
 from workbench.evaluation.evaluate import Evaluation
@@ -148,6 +148,11 @@ def test_protocol_chooses_on_validation_and_reports_on_test(tiny_model_dir, tmp_
     assert test["base"] == picked["base"] == result["base"]["heldout"]  # one base model, one test split
     assert {o["base"] for o in result["validation"]} == {result["base"]["validation"]}
     assert result["test_gain_mean"] == pytest.approx(test["trained"] - test["base"])
+    # what scripts/measure.py reads of it (docs/results/protocol.json)
+    figures = script("measure").protocol_figures(protocol_run)
+    assert figures["gain_mean"] == pytest.approx(100 * result["test_gain_mean"]) and figures["gain_std"] is None
+    assert figures["trainings"] == 1 and figures["seeds"] == [4] and figures["data_seeds"] == []
+    assert figures["base_accuracy"] == {"None": test["base"]}
     assert [t["label"] for t in result["trainings"]] == ["c0-seed3-validation", "c1-seed3-validation",
                                                          f"c{[c['name'] for c in result['candidates']].index(result['chosen'])}-seed4-heldout"]
 
