@@ -1,8 +1,8 @@
 """Every figure the README and docs/results.md state, measured on the current commit.
 
     make measure                                  # python scripts/measure.py --quick: the demo and the tiny bench
-    MEASURE=--full make measure                   # + the bench at ~100M and the protocol over 3 bases x 3 seeds
-    python scripts/measure.py --only bench        # one measurement (demo, bench, bench-100m, protocol)
+    MEASURE=--full make measure                   # + the bench at ~100M, the protocol over 3 bases x 3 seeds, make test
+    python scripts/measure.py --only bench        # one measurement (demo, bench, bench-100m, protocol, suite)
     python scripts/measure.py --suite JUNIT.xml --commit SHA   # the suite's timing, from `make test`'s JUnit XML
     python scripts/measure.py --render            # docs/results.md and the README's block, from the files alone
 
@@ -15,7 +15,8 @@ render, or when a file is older than the last commit that changed the code it me
 
 A measurement refuses a tree whose measured code has uncommitted changes (the figure would name a commit that is
 not what ran). The suite's timing is the exception to freshness: it is measured by running the suite, so it is
-always of a commit before the one that records it (its commit and date are shown beside it).
+always of a commit before the one that records it, or of this one with the results still uncommitted (its commit
+and date are shown beside it).
 """
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ MEASURED = {
     "bench": ["workbench", "pyproject.toml"],
     "bench-100m": ["workbench", "pyproject.toml"],
     "protocol": ["workbench", "pyproject.toml"],
+    "suite": ["workbench", "tests", "pyproject.toml", "Makefile"],  # exempt from freshness (see above)
 }
 QUICK = ["demo", "bench"]
-FULL = ["demo", "bench", "bench-100m", "protocol"]
+FULL = ["demo", "bench", "bench-100m", "protocol", "suite"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,8 +252,21 @@ def protocol_figures(path: Path) -> dict:
     return figures
 
 
+def measure_suite(root: Path) -> tuple[str, float, dict]:
+    """`make test` as CI runs it, its JUnit XML kept; the figures are recorded as of this commit."""
+    junit = root / "suite.xml"
+    started = time.time()
+    with open(root / "suite.log", "w") as out:
+        done = subprocess.run(["make", "test"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTEST_ADDOPTS": f"--junitxml={junit}"})
+    figures = suite_figures(junit)
+    if done.returncode != 0 and not (figures["failed"] or figures["errors"]):
+        raise SystemExit(f"measure: `make test` failed before its tests ended ({done.returncode}): {root / 'suite.log'}")
+    return "make test", time.time() - started, figures
+
+
 MEASURES = {"demo": measure_demo, "bench": measure_bench, "bench-100m": measure_bench_100m,
-            "protocol": measure_protocol}
+            "protocol": measure_protocol, "suite": measure_suite}
 
 
 def suite_figures(junit: Path) -> dict:
@@ -275,6 +290,13 @@ def short(commit: str) -> str:
     return commit[:10]
 
 
+def curve_text(curve: dict) -> tuple[str, str]:
+    """The learning curve as 'start → best (step) → last (step)', and its cost as a share of the step time."""
+    path = (f"{pct(curve['start'])} → best {pct(curve['best'])} (step {curve['best_step']}) → {pct(curve['last'])} "
+            f"(step {curve['last_step']})")
+    return path, f"{curve['cost_share']:.1%}" if curve.get("cost_share") is not None else ""
+
+
 def readme_block(results: dict[str, dict]) -> str:
     """The README's measured lines: what `make demo` gives a newcomer, and the async ratio, each with its machine."""
     lines = [BEGIN]
@@ -287,16 +309,18 @@ def readme_block(results: dict[str, dict]) -> str:
                   f"the {f['n']} held-out problems."]
         curve = f.get("curve")
         if curve:
-            cost = f", {curve['cost_share']:.1%} of the step time" if curve.get("cost_share") is not None else ""
-            lines.append(f"The learning curve on {curve['n']} validation problems: {pct(curve['start'])} at the start, "
-                         f"best {pct(curve['best'])} at step {curve['best_step']}, {pct(curve['last'])} at step "
-                         f"{curve['last_step']} ({curve['points']} points{cost}).")
-    bench = results.get("bench")
-    if bench:
-        a = (bench["figures"]["paths"].get("async") or {})
+            path, cost = curve_text(curve)
+            lines.append(f"The learning curve on {curve['n']} {curve['split']} problems: {path} ({curve['points']} "
+                         f"points{f', {cost} of the step time' if cost else ''}).")
+    for name, what in (("bench", "on the demo's model"),
+                       ("bench-100m", "on a random-weight model of the demo's architecture")):
+        bench = results.get(name)
+        a = (bench["figures"]["paths"].get("async") or {}) if bench else {}
         if a.get("ratio_to_server") is not None:
             lo, hi = a["ratio_range"]
-            lines.append(f"Async rollouts on the demo's model: a step takes {a['ratio_to_server']:.2f}× the synchronous "
+            params = bench["figures"].get("parameters")
+            size = f" ({params / 1e6:.0f}M parameters)" if params and name != "bench" else ""
+            lines.append(f"Async rollouts {what}{size}: a step takes {a['ratio_to_server']:.2f}× the synchronous "
                          f"server step (range {lo:.2f}–{hi:.2f} over {bench['figures']['repeats']} repeats; "
                          f"{bench['machine']['summary']}).")
     protocol = results.get("protocol")
@@ -314,9 +338,9 @@ def readme_block(results: dict[str, dict]) -> str:
 def results_page(results: dict[str, dict]) -> str:
     out = ["# Results", "",
            "Generated by `python scripts/measure.py` from docs/results/*.json: do not edit by hand. `make measure`",
-           "(`--quick`: the demo and the tiny bench) or `MEASURE=--full make measure` (with the ~100M bench and the",
-           "protocol over base models and seeds) measures them again on the current commit. Each section names the",
-           "commit it measured, the machine and the command.", ""]
+           "(`--quick`: the demo and the tiny bench) or `MEASURE=--full make measure` (with the ~100M bench, the",
+           "protocol over base models and seeds and the suite) measures them again on the current commit. Each",
+           "section names the commit it measured, the machine and the command.", ""]
 
     def head(title: str, r: dict) -> list[str]:
         v = ", ".join(f"{k} {x}" for k, x in r["versions"].items())
@@ -335,10 +359,9 @@ def results_page(results: dict[str, dict]) -> str:
                 f"| training | {f['steps']} steps in {f['train_seconds']:.0f} s, median step {f['step_seconds']:.2f} s |"]
         curve = f.get("curve")
         if curve:
-            cost = f"; its cost {curve['cost_share']:.1%} of the step time" if curve.get("cost_share") is not None else ""
+            path, cost = curve_text(curve)
             out.append(f"| learning curve ({curve['n']} {curve['split']} problems, {curve['points']} points) | "
-                       f"{pct(curve['start'])} → best {pct(curve['best'])} (step {curve['best_step']}) → "
-                       f"{pct(curve['last'])} (step {curve['last_step']}){cost} |")
+                       f"{path}{f'; its cost {cost} of the step time' if cost else ''} |")
         g = f.get("groups_with_spread") or {}
         if g.get("first_fifth") is not None:
             out.append(f"| groups with reward spread (first → last fifth of the steps) | {pct(g['first_fifth'])} → "
@@ -412,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_mutually_exclusive_group()
-    what.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} (the default; about 25 min on 2 cores)")
+    what.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} (the default; under 30 min on 2 cores)")
     what.add_argument("--full", action="store_true", help=f"{', '.join(FULL)} (hours)")
     what.add_argument("--only", choices=sorted(MEASURES), action="append", help="one measurement (repeatable)")
     what.add_argument("--suite", metavar="JUNIT", type=Path, help="record the suite's timing from this JUnit XML")

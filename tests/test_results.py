@@ -112,3 +112,16 @@ def test_the_recipe_reference_is_the_schemas_with_every_key_explained():
     expected = keys(schema.Recipe, "")
     assert set(expected) <= set(rows), sorted(set(expected) - set(rows))
     assert [k for k in expected if not rows[k].strip()] == [], "keys without a comment in workbench/recipe/schema.py"
+
+
+def test_the_suites_figures_are_read_from_its_junit_xml(tmp_path):
+    """What `make test` wrote (pytest's JUnit XML: one testsuite inside testsuites) is what docs/results/suite.json
+    says: counts by outcome and the suite's own seconds."""
+    junit = tmp_path / "suite.xml"
+    junit.write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest" errors="1" failures="2" skipped="3" '
+                     'tests="20" time="1503.68"><testcase classname="tests.test_x" name="test_a" time="1.0"/>'
+                     '</testsuite></testsuites>')
+    figures = measure.suite_figures(junit)
+    assert (figures["tests"], figures["passed"], figures["failed"], figures["errors"], figures["skipped"]) == \
+        (20, 14, 2, 1, 3)
+    assert figures["seconds"] == pytest.approx(1503.68)
