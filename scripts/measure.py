@@ -111,11 +111,9 @@ def record(name: str, command: str, seconds: float, figures: dict, commit: str, 
     data = {"name": name, "commit": commit, "clean": clean, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": machine(), "versions": versions(), "command": command, "seconds": round(seconds, 1),
             "figures": figures}
-    path = RESULTS / f"{name}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    from workbench.rundir import write_atomic
+
+    return write_atomic(RESULTS / f"{name}.json", json.dumps(data, indent=2) + "\n")
 
 
 def load_results() -> dict[str, dict]:
@@ -423,10 +421,12 @@ def with_block(readme: str, block: str) -> str:
 
 
 def render() -> None:
+    from workbench.rundir import write_atomic
+
     results = load_results()
     PAGE.parent.mkdir(parents=True, exist_ok=True)
-    PAGE.write_text(results_page(results))
-    README.write_text(with_block(README.read_text(), readme_block(results)))
+    write_atomic(PAGE, results_page(results))
+    write_atomic(README, with_block(README.read_text(), readme_block(results)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
