@@ -235,6 +235,22 @@ def measure_protocol(root: Path) -> tuple[str, float, dict]:
     return " ".join(["workbench", *args[:-1]]), seconds, protocol_figures(only_dir(root / "protocol", "*-protocol"))
 
 
+def training_curve(run: Path) -> dict | None:
+    """A training's learning curve (eval.every_steps): its split, size and (step, accuracy) points, or None."""
+    from workbench.errors import WorkbenchError
+    from workbench.observe.rundata import load
+    from workbench.rundir import RunDir
+
+    try:
+        points = load(RunDir.open(run).train).eval_curve
+    except (OSError, ValueError, WorkbenchError):
+        return None
+    if not points:
+        return None
+    return {"split": points[0].get("split", "validation"), "n": points[0]["n"],
+            "points": [[p["step"], p["accuracy"]] for p in points]}
+
+
 def protocol_figures(path: Path) -> dict:
     """What a `workbench protocol` directory says: the chosen (or the only reported) setting's test gain, mean and
     sample std over every (base, seed) training, each training's gain, per base its mean and its base accuracy."""
@@ -246,7 +262,10 @@ def protocol_figures(path: Path) -> dict:
     name = result.chosen or result.reported[0]
     test = [o for o in result.test if o.candidate == name]
     figures = {"setting": name,
-               "gains": [{"data_seed": o.data_seed, "seed": o.seed, "gain": o.gain * 100} for o in test],
+               "gains": [{"data_seed": o.data_seed, "seed": o.seed, "gain": o.gain * 100, "base": o.base,
+                          "trained": o.trained, "signal": o.signal, "train_seconds": o.train_seconds,
+                          "generated_tokens": o.generated_tokens, "curve": training_curve(Path(o.run))}
+                         for o in test],
                "gain_mean": statistics.fmean(gains), "gain_std": statistics.stdev(gains) if len(gains) > 1 else None,
                "trainings": len(gains), "data_seeds": result.data_seeds, "seeds": result.seeds,
                "base_means": {str(d): g for d, g in result.base_means().items()},
@@ -403,6 +422,22 @@ def results_page(results: dict[str, dict]) -> str:
         for d, g in f["base_means"].items():
             out.append(f"| {d} | {pct(f['base_accuracy'].get(d))} | {g:+.1f} |")
         out.append("")
+        trainings = f.get("gains") or []
+        curves = [t["curve"] for t in trainings if t.get("curve")]
+        if trainings:
+            what = (f"; the learning curve: the served weights on {curves[0]['n']} {curves[0]['split']} problems at "
+                    "each step shown" if curves else "")
+            steps = sorted({s for c in curves for s, _ in c["points"]})
+            out += [f"Each training (test split{what}):", "",
+                    "| base | seed | test: base → trained | gain | groups with spread | "
+                    + " | ".join(f"step {s}" for s in steps) + " |",
+                    "|---|---|---|---|---|" + "---|" * len(steps)]
+            for t in trainings:
+                at = dict((s, a) for s, a in (t["curve"] or {}).get("points", []))
+                out.append(f"| {t['data_seed']} | {t['seed']} | {pct(t['base'])} → {pct(t['trained'])} | "
+                           f"{t['gain']:+.1f} | {pct(t.get('signal'))} | "
+                           + " | ".join(pct(at.get(s)) for s in steps) + " |")
+            out.append("")
     else:
         out += ["Not measured on this code: `MEASURE=--full make measure` runs it (hours on two cores).", ""]
     suite = results.get("suite")

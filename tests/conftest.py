@@ -156,12 +156,33 @@ def clean_env() -> dict:
     return env
 
 
+# free_port's blocks: below Linux's ephemeral range (32768-60999), where bind(("", 0)) picks the ports of vLLM's,
+# torch.distributed's and HTTP clients' own sockets, so a port handed to a test cannot be taken by one of those
+# before the test's server binds it; one block per pytest-xdist worker (and one for a run without workers), so two
+# workers are never handed the same port
+_PORT_START, _PORT_BLOCK, _PORT_BLOCKS = 16000, 1500, 11
+_ports_handed = 0
+
+
 def free_port() -> int:
+    """A loopback port nobody listens on, from this test process's own block: the kernel's port 0 would hand the
+    same port to another worker, or to a client socket, between this check and the server's bind."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    global _ports_handed
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) % (_PORT_BLOCKS - 1) if worker[2:].isdigit() else _PORT_BLOCKS - 1
+    first = _PORT_START + index * _PORT_BLOCK
+    for _ in range(_PORT_BLOCK):
+        port = first + _ports_handed % _PORT_BLOCK
+        _ports_handed += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or in TIME_WAIT: the next one
+                continue
+            return port
+    raise RuntimeError(f"free_port: no free loopback port in {first}-{first + _PORT_BLOCK - 1}")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,170 @@
+"""Where the CPU server's reload time goes: vLLM's own `reload_weights`, run in this process and timed part by part.
+
+    .venv/bin/python scripts/reload_parts.py                   # the bench's ~100M model (random weights), 5 reloads
+    .venv/bin/python scripts/reload_parts.py --size tiny --reloads 10
+
+A `reload` push is the workbench's write of one safetensors file on /dev/shm, then the server's
+`POST /collective_rpc reload_weights` (serving/sync.py). `workbench bench` times both (sync/write_seconds,
+sync/server_seconds). This script splits the second one: it builds the same model as the bench, starts vLLM's engine
+in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, on the server's core, with the server's CPU settings), writes the
+model's weights the way a push does, and calls the worker's own `reload_weights(weights_path=...)` with timers
+wrapped around vLLM's functions:
+
+    read        the safetensors iterator (vLLM's loader reading the file: one copy out of the page cache)
+    init        `initialize_layerwise_reload` (each layer's tensors set aside for re-creation)
+    layers      re-creating each layer's tensors (`materialize_layer`)
+    copies      the weight loaders' copies into them (a layer's processing, less re-creation and repack)
+    repack      `process_weights_after_loading` of every layer (on the CPU: the oneDNN/zentorch weight packing)
+    finalize    `finalize_layerwise_reload`
+    rest        what `model.load_weights` does besides (buffering each layer's weights until it is complete)
+    cache       the prefix-cache reset a push ends with
+
+and sets the bytes moved against the machine's copy bandwidth measured here (workbench/platform/limits.py).
+What the server call takes beyond the in-process reload is the HTTP request, the API server to engine-core RPC and
+the scheduler's pause. Measurement only: nothing of the workbench runs differently.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="100m", help="a `workbench bench` size (default 100m)")
+    ap.add_argument("--reloads", type=int, default=5)
+    ap.add_argument("--core", default="0", help="the core the server runs on (cpu-tiny: 0)")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its functions can be timed
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", args.core)
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    os.sched_setaffinity(0, {int(c) for c in args.core.split(",")})  # the server's cores, as the server runs
+    torch.set_num_threads(len(args.core.split(",")))
+    from safetensors.torch import save_file
+
+    from workbench import tinymodel
+    from workbench.experiments.bench import SIZES
+    from workbench.platform import limits
+    from workbench.recipe import load
+
+    recipe = load("cpu-tiny", SIZES[args.size])
+    model_dir = tinymodel.ensure(recipe)
+    with limits.on_cores([int(c) for c in args.core.split(",")]):
+        copy = limits.copy_bandwidth()  # one core's copy: the server's (cpu-tiny gives it one)
+
+    from vllm import LLM
+    from vllm.model_executor.model_loader.reload import inplace, layerwise
+
+    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+              enable_prefix_caching=True)
+
+    times: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def timed(name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            times[name] += time.perf_counter() - start
+
+    def wrap(owner, attr: str, name: str) -> None:
+        original = getattr(owner, attr)
+
+        def wrapper(*a, **k):
+            with timed(name):
+                return original(*a, **k)
+        setattr(owner, attr, wrapper)
+
+    def wrap_iterator(owner, attr: str, name: str) -> None:
+        original = getattr(owner, attr)
+
+        def wrapper(*a, **k):
+            iterator = iter(original(*a, **k))
+
+            def timed_items():
+                while True:
+                    with timed(name):
+                        item = next(iterator, None)
+                    if item is None:
+                        return
+                    yield item
+            return timed_items()
+        setattr(owner, attr, wrapper)
+
+    def reload_in_worker(worker, path: str) -> dict:
+        model = worker.model_runner.get_model()
+        # every quantisation method the model's layers use (on the CPU: unquantised linear and embedding)
+        methods = {type(m.quant_method) for m in model.modules() if getattr(m, "quant_method", None) is not None}
+        for cls in methods:
+            if "process_weights_after_loading" in vars(cls) and not getattr(cls, "_timed", False):
+                wrap(cls, "process_weights_after_loading", "repack")
+                cls._timed = True
+        if not getattr(layerwise, "_timed", False):
+            wrap(layerwise, "materialize_layer", "layers")
+            wrap(layerwise, "_layerwise_process", "process")
+            wrap(inplace, "initialize_layerwise_reload", "init")
+            wrap(inplace, "finalize_layerwise_reload", "finalize")
+            from vllm.model_executor.model_loader import get_model_loader
+            loader_cls = type(get_model_loader(worker.vllm_config.load_config))
+            wrap_iterator(loader_cls, "get_all_weights", "read")
+            layerwise._timed = True
+        times.clear()
+        with timed("reload"):
+            worker.model_runner.reload_weights(weights_path=path)
+        return dict(times)
+
+    state = {k: v.detach().clone().contiguous() for k, v in
+             __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    rows = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
+        # the push's layout: the model directory's config and tokenizer beside one safetensors file
+        for f in Path(model_dir).iterdir():
+            if f.is_file() and f.suffix != ".safetensors":
+                (Path(d) / f.name).write_bytes(f.read_bytes())
+        save_file(state, str(Path(d) / "model.safetensors"))
+        for i in range(args.reloads + 1):  # the first reload is a warm-up (first-touch page faults of new layers)
+            parts = llm.collective_rpc(reload_in_worker, args=(d,))[0]
+            start = time.perf_counter()
+            llm.reset_prefix_cache()
+            parts["cache"] = time.perf_counter() - start
+            if i:
+                rows.append(parts)
+    # nested: a layer's processing (once all its weights arrived) holds its re-creation, the weight loaders' copies
+    # into it and its repack; the read (the iterator is consumed by load_weights) is outside it. "copies" is the
+    # processing less re-creation and repack; "rest" is the reload less everything named (load_weights' buffering
+    # of each layer's weights until the layer is complete, the name mapping)
+    keys = ("reload", "read", "init", "process", "layers", "repack", "finalize", "cache")
+    med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+    med["copies"] = med["process"] - med["layers"] - med["repack"]
+    med["rest"] = med["reload"] - med["read"] - med["init"] - med["process"] - med["finalize"]
+    out = {"size": args.size, "megabytes": nbytes / 1e6, "reloads": len(rows), "median_seconds": med,
+           "reload_seconds": [r["reload"] for r in rows], "torch_threads": torch.get_num_threads()}
+    out["copy_bandwidth"] = copy
+    print(json.dumps(out, indent=1))
+    mb = nbytes / 1e6
+    print(f"\n{args.size}: {mb:.0f} MB, {len(rows)} reloads (median, s): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in med.items())
+          + f"; the reload moves {mb / 1e3 / med['reload']:.2f} GB/s, the core copies {copy['median']:.2f} GB/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
