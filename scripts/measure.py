@@ -1,12 +1,14 @@
 """Every figure the README and docs/results.md state, measured on the current commit.
 
     make measure                                  # python scripts/measure.py --quick: the demo and the tiny bench
-    MEASURE=--full make measure                   # + the bench at ~100M, the protocol over 3 bases x 3 seeds, make test
-    python scripts/measure.py --only bench        # one measurement (demo, bench, bench-100m, protocol, suite)
+    MEASURE=--full make measure                   # + the bench at ~100M, its reload part by part (scripts/reload_parts.py),
+                                                  #   the protocol over 3 bases x 3 seeds, make test
+    python scripts/measure.py --only bench        # one measurement (demo, bench, bench-100m, reload, protocol, suite)
     python scripts/measure.py --suite JUNIT.xml --commit SHA   # the suite's timing, from `make test`'s JUnit XML
     python scripts/measure.py --render            # docs/results.md and the README's block, from the files alone
 
-Each measurement runs the workbench's own commands (`workbench run`, `workbench bench`, `workbench protocol`) into
+Each measurement runs the workbench's own commands (`workbench run`, `workbench bench`, `workbench protocol`; the
+reload's parts: vLLM's own reload, timed in-process) into
 runs/measure-<time>/ and writes docs/results/<name>.json: the commit it measured, whether the tree was clean, the
 date, the machine (CPU model and vector extensions, cores, memory), the versions, the command and its figures.
 docs/results.md and the block between the README's `<!-- measured:begin -->` and `<!-- measured:end -->` lines are
@@ -51,10 +53,11 @@ MEASURED = {
     "bench": ["workbench", "pyproject.toml"],
     "bench-100m": ["workbench", "pyproject.toml"],
     "protocol": ["workbench", "pyproject.toml"],
+    "reload": ["workbench", "pyproject.toml", "scripts/reload_parts.py"],
     "suite": ["workbench", "tests", "pyproject.toml", "Makefile"],  # exempt from freshness (see above)
 }
 QUICK = ["demo", "bench"]
-FULL = ["demo", "bench", "bench-100m", "protocol", "suite"]
+FULL = ["demo", "bench", "bench-100m", "reload", "protocol", "suite"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -235,6 +238,29 @@ def measure_protocol(root: Path) -> tuple[str, float, dict]:
     return " ".join(["workbench", *args[:-1]]), seconds, protocol_figures(only_dir(root / "protocol", "*-protocol"))
 
 
+RELOAD_COMMAND = ["scripts/reload_parts.py", "--size", "100m", "--reloads", "5"]
+
+
+def measure_reload(root: Path) -> tuple[str, float, dict]:
+    """vLLM's CPU reload of the ~100M bench model, part by part (scripts/reload_parts.py)."""
+    out = root / "reload.json"
+    started = time.time()
+    with open(root / "reload.log", "w") as log:
+        done = subprocess.run([sys.executable, *RELOAD_COMMAND, "--json", str(out)], cwd=REPO, stdout=log,
+                              stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"measure: scripts/reload_parts.py failed ({done.returncode}): {root / 'reload.log'}")
+    return " ".join(["python", *RELOAD_COMMAND]), time.time() - started, reload_figures(out)
+
+
+def reload_figures(path: Path) -> dict:
+    """What scripts/reload_parts.py wrote: the model's bytes, each part's median seconds, one core's copy rate."""
+    data = json.loads(Path(path).read_text())
+    return {"size": data["size"], "megabytes": data["megabytes"], "reloads": data["reloads"],
+            "median_seconds": data["median_seconds"], "reload_seconds": data["reload_seconds"],
+            "copy_gb_s": data["copy_bandwidth"]["median"], "env": data["env"]}
+
+
 def training_curve(run: Path) -> dict | None:
     """A training's learning curve (eval.every_steps): its split, size and (step, accuracy) points, or None."""
     from workbench.errors import WorkbenchError
@@ -288,7 +314,7 @@ def measure_suite(root: Path) -> tuple[str, float, dict]:
 
 
 MEASURES = {"demo": measure_demo, "bench": measure_bench, "bench-100m": measure_bench_100m,
-            "protocol": measure_protocol, "suite": measure_suite}
+            "protocol": measure_protocol, "reload": measure_reload, "suite": measure_suite}
 
 
 def suite_figures(junit: Path) -> dict:
@@ -303,6 +329,17 @@ def suite_figures(junit: Path) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Rendering: docs/results.md and the README's block, from the files only
+
+RELOAD_PARTS = [  # scripts/reload_parts.py's parts, in the order a reload runs them
+    ("read", "reading the file (vLLM's safetensors iterator: a copy out of the page cache)"),
+    ("init", "setting each layer aside for re-creation (`initialize_layerwise_reload`)"),
+    ("layers", "re-creating each layer's tensors (`materialize_layer`)"),
+    ("copies", "the weight loaders' copies into them"),
+    ("repack", "repacking each layer for the CPU kernels (`process_weights_after_loading`)"),
+    ("finalize", "`finalize_layerwise_reload`"),
+    ("rest", "the rest of `load_weights` (each layer's weights held until the layer is complete)"),
+]
+
 
 def pct(x: float | None) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1%}"
@@ -349,8 +386,13 @@ def readme_block(results: dict[str, dict]) -> str:
     if protocol:
         f = protocol["figures"]
         spread = f" ± {f['gain_std']:.1f}" if f.get("gain_std") is not None else ""
-        lines.append(f"Over {len(f['data_seeds'])} base models × {len(f['seeds'])} training seeds (`workbench "
-                     f"protocol`): test gain {f['gain_mean']:+.1f}{spread} points.")
+        gains = [t["gain"] for t in f.get("gains") or []]
+        span = f", each training between {min(gains):+.1f} and {max(gains):+.1f}" if len(gains) > 1 else ""
+        bases = ", ".join(f"{pct(a)}" for a in f["base_accuracy"].values())
+        lines.append(f"The demo's recipe over {len(f['data_seeds'])} base models (test accuracy {bases}) × "
+                     f"{len(f['seeds'])} training seeds (`workbench protocol`, {protocol['date'][:10]}): test gain "
+                     f"**{f['gain_mean']:+.1f}{spread} points**{span}. A `make demo` is one draw from this spread "
+                     "(base 0, one seed).")
     if len(lines) == 1:
         lines.append("No figure is measured on this code yet: `make measure` writes them.")
     lines.append("Every figure, its machine and its command: [docs/results.md](docs/results.md).")
@@ -360,9 +402,9 @@ def readme_block(results: dict[str, dict]) -> str:
 def results_page(results: dict[str, dict]) -> str:
     out = ["# Results", "",
            "Generated by `python scripts/measure.py` from docs/results/*.json: do not edit by hand. `make measure`",
-           "(`--quick`: the demo and the tiny bench) or `MEASURE=--full make measure` (with the ~100M bench, the",
-           "protocol over base models and seeds and the suite) measures them again on the current commit. Each",
-           "section names the commit it measured, the machine and the command.", ""]
+           "(`--quick`: the demo and the tiny bench) or `MEASURE=--full make measure` (with the ~100M bench, its",
+           "reload part by part, the protocol over base models and seeds and the suite) measures them again on the",
+           "current commit. Each section names the commit it measured, the machine and the command.", ""]
 
     def head(title: str, r: dict) -> list[str]:
         v = ", ".join(f"{k} {x}" for k, x in r["versions"].items())
@@ -413,6 +455,25 @@ def results_page(results: dict[str, dict]) -> str:
                        + ", ".join(f"{x:.2f}" for x in p["step_seconds_repeats"])
                        + f" | {ratio} | {gen} | {p['sync_megabytes']:.1f} | {p['sync_seconds']:.3f} |")
         out.append("")
+    reload_ = results.get("reload")
+    if reload_:
+        f = reload_["figures"]
+        m = f["median_seconds"]
+        out += head("The server's reload, part by part", reload_)
+        env = ", ".join(f"{k}={v}" for k, v in f["env"].items() if v)
+        out += [f"The bench's {f['size']} model ({f['megabytes']:.1f} MB of float32 weights) written as a push writes "
+                f"it and reloaded {f['reloads']} times (after one more) by vLLM's own `reload_weights`, in one process "
+                f"on the server's core with the server's environment ({env}); median seconds of each part:", "",
+                "| part | seconds | share of the reload |", "|---|---|---|"]
+        for key, what in RELOAD_PARTS:
+            out.append(f"| {what} | {m[key]:.3f} | {m[key] / m['reload']:.0%} |")
+        out += [f"| **the reload** | **{m['reload']:.3f}** | {f['megabytes'] / 1e3 / m['reload']:.2f} GB/s |",
+                f"| the prefix-cache reset after it | {m['cache']:.3f} | |", "",
+                f"One copy of the weights on that core takes {f['megabytes'] / 1e3 / f['copy_gb_s']:.3f} s (its copy "
+                f"bandwidth, {f['copy_gb_s']:.2f} GB/s): the reload takes "
+                f"{m['reload'] / (f['megabytes'] / 1e3 / f['copy_gb_s']):.1f} copies' time. What a server's reload "
+                "call takes beyond it (the bench's push) is the HTTP request and the API server's RPC to the engine "
+                "core.", ""]
     protocol = results.get("protocol")
     out += ["## The protocol over base models and seeds", ""]
     if protocol:

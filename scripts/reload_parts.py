@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +38,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+CHILD = "WORKBENCH_RELOAD_PARTS_CHILD"
 
 
 def main() -> None:
@@ -47,10 +49,19 @@ def main() -> None:
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its functions can be timed
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", args.core)
     sys.path.insert(0, str(REPO))
+    from workbench.experiments.bench import SIZES
+    from workbench.recipe import load, resolve
+
+    recipe = load("cpu-tiny", SIZES[args.size] + [f"devices.server=[{args.core}]"])
+    if os.environ.get(CHILD) != "1":
+        # again, in the environment a managed CPU server gets (serving/launch.py: its allocator settings, thread
+        # binding, KV cache): glibc's tunables only apply from a process's start
+        from workbench.serving import launch
+
+        env = {**launch.environment(resolve(recipe), for_training=True), CHILD: "1"}
+        raise SystemExit(subprocess.run([sys.executable, __file__, *sys.argv[1:]], env=env).returncode)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its functions can be timed
     import torch
 
     os.sched_setaffinity(0, {int(c) for c in args.core.split(",")})  # the server's cores, as the server runs
@@ -58,11 +69,8 @@ def main() -> None:
     from safetensors.torch import save_file
 
     from workbench import tinymodel
-    from workbench.experiments.bench import SIZES
     from workbench.platform import limits
-    from workbench.recipe import load
 
-    recipe = load("cpu-tiny", SIZES[args.size])
     model_dir = tinymodel.ensure(recipe)
     with limits.on_cores([int(c) for c in args.core.split(",")]):
         copy = limits.copy_bandwidth()  # one core's copy: the server's (cpu-tiny gives it one)
@@ -70,8 +78,11 @@ def main() -> None:
     from vllm import LLM
     from vllm.model_executor.model_loader.reload import inplace, layerwise
 
-    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-              enable_prefix_caching=True)
+    s = recipe.server
+    llm = LLM(model=str(model_dir), dtype=s.dtype, enforce_eager=s.enforce_eager, max_model_len=s.max_model_len,
+              seed=0, enable_prefix_caching=True)
+    out_env = {k: os.environ.get(k) for k in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "VLLM_CPU_OMP_THREADS_BIND",
+                                              "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS")}
 
     times: dict[str, float] = defaultdict(float)
 
@@ -155,7 +166,7 @@ def main() -> None:
     med["copies"] = med["process"] - med["layers"] - med["repack"]
     med["rest"] = med["reload"] - med["read"] - med["init"] - med["process"] - med["finalize"]
     out = {"size": args.size, "megabytes": nbytes / 1e6, "reloads": len(rows), "median_seconds": med,
-           "reload_seconds": [r["reload"] for r in rows], "torch_threads": torch.get_num_threads()}
+           "reload_seconds": [r["reload"] for r in rows], "torch_threads": torch.get_num_threads(), "env": out_env}
     out["copy_bandwidth"] = copy
     print(json.dumps(out, indent=1))
     mb = nbytes / 1e6

@@ -125,3 +125,28 @@ def test_the_suites_figures_are_read_from_its_junit_xml(tmp_path):
     assert (figures["tests"], figures["passed"], figures["failed"], figures["errors"], figures["skipped"]) == \
         (20, 14, 2, 1, 3)
     assert figures["seconds"] == pytest.approx(1503.68)
+
+
+@pytest.mark.timeout(300)
+def test_the_reloads_parts_are_timed_inside_vllms_own_reload_in_the_servers_environment(tiny_model_dir, tmp_path):
+    """scripts/reload_parts.py (`make measure --full`'s "reload") runs vLLM's own `reload_weights` on the tiny model
+    with timers around vLLM's functions: every part is timed inside one reload, the named parts fit inside it, the
+    process had a managed CPU server's allocator settings (serving/launch.py), and the results page names each part."""
+    import sys
+
+    out = tmp_path / "reload.json"
+    done = subprocess.run([sys.executable, "scripts/reload_parts.py", "--size", "tiny", "--reloads", "2", "--json",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    f = measure.reload_figures(out)
+    m = f["median_seconds"]
+    assert f["reloads"] == 2 and len(f["reload_seconds"]) == 2
+    assert all(m[k] > 0 for k in ("read", "init", "process", "layers", "repack", "finalize", "cache")), m
+    assert m["layers"] + m["repack"] <= m["process"] and m["read"] + m["init"] + m["process"] + m["finalize"] <= \
+        m["reload"], m
+    assert "glibc.malloc.hugetlb=1" in f["env"]["GLIBC_TUNABLES"] and f["env"]["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    assert f["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0" and f["copy_gb_s"] > 0
+    results = {"reload": {"command": "python scripts/reload_parts.py", "commit": "0" * 40, "date": "d",
+                          "machine": {"summary": "a box"}, "versions": {}, "seconds": 60.0, "figures": f}}
+    page = measure.results_page(results)
+    assert all(what in page for _, what in measure.RELOAD_PARTS)
