@@ -231,7 +231,7 @@ def measure_bench_100m(root: Path) -> tuple[str, float, dict]:
 
 def measure_protocol(root: Path) -> tuple[str, float, dict]:
     # --report-all: the demo's recipe is the setting measured, fixed beforehand; with no other candidate there is
-    # nothing to choose, so no training on the validation split (a third less time)
+    # nothing to choose, so no training on the validation split (9 trainings instead of 12)
     args = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", PROTOCOL_DATA_SEEDS,
             "--seeds", PROTOCOL_SEEDS, f"monitor.runs_dir={root / 'protocol'}"]
     seconds = workbench(args, root / "protocol.log")
@@ -285,6 +285,8 @@ def protocol_figures(path: Path) -> dict:
 
     result = Protocol.from_json(json.loads(RunDir.open(path).protocol.json.read_text()))
     gains = [g * 100 for g in result.gains()]
+    if not (result.chosen or result.reported):
+        raise SystemExit(f"measure: {path} has no chosen or reported setting: the protocol did not finish")
     name = result.chosen or result.reported[0]
     test = [o for o in result.test if o.candidate == name]
     figures = {"setting": name,
@@ -330,13 +332,13 @@ def suite_figures(junit: Path) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # Rendering: docs/results.md and the README's block, from the files only
 
-RELOAD_PARTS = [  # scripts/reload_parts.py's parts, in the order a reload runs them
-    ("read", "reading the file (vLLM's safetensors iterator: a copy out of the page cache)"),
+RELOAD_PARTS = [  # scripts/reload_parts.py's parts (they interleave layer by layer; each is summed over the reload)
     ("init", "setting each layer aside for re-creation (`initialize_layerwise_reload`)"),
+    ("read", "the safetensors iterator (tensors are views of a memory map: the bytes are read by the copies)"),
     ("layers", "re-creating each layer's tensors (`materialize_layer`)"),
-    ("copies", "the weight loaders' copies into them"),
+    ("copies", "the weight loaders' copies into them, and the copy back into the tensors the engine runs on"),
     ("repack", "repacking each layer for the CPU kernels (`process_weights_after_loading`)"),
-    ("finalize", "`finalize_layerwise_reload`"),
+    ("finalize", "`finalize_layerwise_reload`, less the layers it processes (counted above)"),
     ("rest", "the rest of `load_weights` (each layer's weights held until the layer is complete)"),
 ]
 
@@ -391,8 +393,8 @@ def readme_block(results: dict[str, dict]) -> str:
         bases = ", ".join(f"{pct(a)}" for a in f["base_accuracy"].values())
         lines.append(f"The demo's recipe over {len(f['data_seeds'])} base models (test accuracy {bases}) × "
                      f"{len(f['seeds'])} training seeds (`workbench protocol`, {protocol['date'][:10]}): test gain "
-                     f"**{f['gain_mean']:+.1f}{spread} points**{span}. A `make demo` is one draw from this spread "
-                     "(base 0, one seed).")
+                     f"**{f['gain_mean']:+.1f}{spread} points**{span}. `make demo` trains base 0 with training seed "
+                     "0: compare it with base 0's trainings in docs/results.md.")
     if len(lines) == 1:
         lines.append("No figure is measured on this code yet: `make measure` writes them.")
     lines.append("Every figure, its machine and its command: [docs/results.md](docs/results.md).")

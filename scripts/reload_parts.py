@@ -10,12 +10,15 @@ in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, on the server's core, with th
 model's weights the way a push does, and calls the worker's own `reload_weights(weights_path=...)` with timers
 wrapped around vLLM's functions:
 
-    read        the safetensors iterator (vLLM's loader reading the file: one copy out of the page cache)
+    read        the safetensors iterator (opening the file; its tensors are views of a memory map, so the bytes
+                are first read by the copies below)
     init        `initialize_layerwise_reload` (each layer's tensors set aside for re-creation)
     layers      re-creating each layer's tensors (`materialize_layer`)
-    copies      the weight loaders' copies into them (a layer's processing, less re-creation and repack)
+    copies      the weight loaders' copies into them and the copy back into the tensors the engine runs on
+                (a layer's processing, `_layerwise_process`, less re-creation and repack)
     repack      `process_weights_after_loading` of every layer (on the CPU: the oneDNN/zentorch weight packing)
-    finalize    `finalize_layerwise_reload`
+    finalize    `finalize_layerwise_reload`, less the layers it processes (the embedding and lm_head, whose padded
+                vocabulary rows the loader fills without counting them: they count under the parts above)
     rest        what `model.load_weights` does besides (buffering each layer's weights until it is complete)
     cache       the prefix-cache reset a push ends with
 
@@ -48,6 +51,8 @@ def main() -> None:
     ap.add_argument("--core", default="0", help="the core the server runs on (cpu-tiny: 0)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
+    if args.reloads < 1:
+        ap.error("--reloads must be at least 1")
 
     sys.path.insert(0, str(REPO))
     from workbench.experiments.bench import SIZES
@@ -102,6 +107,19 @@ def main() -> None:
                 return original(*a, **k)
         setattr(owner, attr, wrapper)
 
+    def wrap_exclusive(owner, attr: str, name: str, nested: str) -> None:
+        """Time a function less what `nested` timed while it ran (finalize processes the layers that loading left
+        incomplete: they count under `nested` only)."""
+        original = getattr(owner, attr)
+
+        def wrapper(*a, **k):
+            before, start = times[nested], time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                times[name] += time.perf_counter() - start - (times[nested] - before)
+        setattr(owner, attr, wrapper)
+
     def wrap_iterator(owner, attr: str, name: str) -> None:
         original = getattr(owner, attr)
 
@@ -123,21 +141,21 @@ def main() -> None:
         # every quantisation method the model's layers use (on the CPU: unquantised linear and embedding)
         methods = {type(m.quant_method) for m in model.modules() if getattr(m, "quant_method", None) is not None}
         for cls in methods:
-            if "process_weights_after_loading" in vars(cls) and not getattr(cls, "_timed", False):
+            if "process_weights_after_loading" in vars(cls) and not vars(cls).get("_timed"):  # not inherited
                 wrap(cls, "process_weights_after_loading", "repack")
                 cls._timed = True
         if not getattr(layerwise, "_timed", False):
             wrap(layerwise, "materialize_layer", "layers")
             wrap(layerwise, "_layerwise_process", "process")
             wrap(inplace, "initialize_layerwise_reload", "init")
-            wrap(inplace, "finalize_layerwise_reload", "finalize")
+            wrap_exclusive(inplace, "finalize_layerwise_reload", "finalize", "process")
             from vllm.model_executor.model_loader import get_model_loader
             loader_cls = type(get_model_loader(worker.vllm_config.load_config))
             wrap_iterator(loader_cls, "get_all_weights", "read")
             layerwise._timed = True
         times.clear()
         with timed("reload"):
-            worker.model_runner.reload_weights(weights_path=path)
+            worker.reload_weights(weights_path=path)  # what /collective_rpc reload_weights calls
         return dict(times)
 
     state = {k: v.detach().clone().contiguous() for k, v in
@@ -157,14 +175,16 @@ def main() -> None:
             parts["cache"] = time.perf_counter() - start
             if i:
                 rows.append(parts)
-    # nested: a layer's processing (once all its weights arrived) holds its re-creation, the weight loaders' copies
-    # into it and its repack; the read (the iterator is consumed by load_weights) is outside it. "copies" is the
-    # processing less re-creation and repack; "rest" is the reload less everything named (load_weights' buffering
-    # of each layer's weights until the layer is complete, the name mapping)
-    keys = ("reload", "read", "init", "process", "layers", "repack", "finalize", "cache")
+    # nested: a layer's processing (when all its weights arrived, or in finalize for a layer loading left incomplete)
+    # holds its re-creation, the loaders' copies into it, its repack and the copy back; the read (the iterator is
+    # consumed by load_weights) is outside it, and finalize is timed without the processing it does. Per reload:
+    # "copies" is the processing less re-creation and repack; "rest" is the reload less everything named
+    # (load_weights' buffering of each layer's weights until the layer is complete, the name mapping)
+    for r in rows:
+        r["copies"] = r["process"] - r["layers"] - r["repack"]
+        r["rest"] = r["reload"] - r["read"] - r["init"] - r["process"] - r["finalize"]
+    keys = ("reload", "read", "init", "process", "layers", "copies", "repack", "finalize", "rest", "cache")
     med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
-    med["copies"] = med["process"] - med["layers"] - med["repack"]
-    med["rest"] = med["reload"] - med["read"] - med["init"] - med["process"] - med["finalize"]
     out = {"size": args.size, "megabytes": nbytes / 1e6, "reloads": len(rows), "median_seconds": med,
            "reload_seconds": [r["reload"] for r in rows], "torch_threads": torch.get_num_threads(), "env": out_env}
     out["copy_bandwidth"] = copy

@@ -156,25 +156,39 @@ def clean_env() -> dict:
     return env
 
 
-# free_port's blocks: below Linux's ephemeral range (32768-60999), where bind(("", 0)) picks the ports of vLLM's,
-# torch.distributed's and HTTP clients' own sockets, so a port handed to a test cannot be taken by one of those
-# before the test's server binds it; one block per pytest-xdist worker (and one for a run without workers), so two
-# workers are never handed the same port
+# free_port's blocks: below Linux's ephemeral range (32768-60999 by default), where bind(("", 0)) picks the ports of
+# vLLM's, torch.distributed's and HTTP clients' own sockets, so a port handed to a test cannot be taken by one of
+# those before the test's server binds it; one block per pytest-xdist worker (and one for a run without workers), so
+# two workers are never handed the same port. Every second port only: the workbench may take a server's port + 1
+# (evaluation lanes), which must not be the next test's. A process starts at its own offset in its block, so two
+# sessions side by side (another checkout's `make test`) do not walk the same ports in step.
 _PORT_START, _PORT_BLOCK, _PORT_BLOCKS = 16000, 1500, 11
 _ports_handed = 0
 
 
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A loopback port nobody listens on, from this test process's own block: the kernel's port 0 would hand the
+    """A loopback port nobody listens on, from this test process's own block: the kernel's port 0 could hand the
     same port to another worker, or to a client socket, between this check and the server's bind."""
     import socket
 
     global _ports_handed
+    if _PORT_START + _PORT_BLOCKS * _PORT_BLOCK > _ephemeral_start():  # a host that widened its ephemeral range
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     index = int(worker[2:]) % (_PORT_BLOCKS - 1) if worker[2:].isdigit() else _PORT_BLOCKS - 1
-    first = _PORT_START + index * _PORT_BLOCK
-    for _ in range(_PORT_BLOCK):
-        port = first + _ports_handed % _PORT_BLOCK
+    first, slots = _PORT_START + index * _PORT_BLOCK, _PORT_BLOCK // 2
+    offset = os.getpid() % slots
+    for _ in range(slots):
+        port = first + 2 * ((offset + _ports_handed) % slots)
         _ports_handed += 1
         with socket.socket() as s:
             try:

@@ -127,6 +127,7 @@ def test_the_suites_figures_are_read_from_its_junit_xml(tmp_path):
     assert figures["seconds"] == pytest.approx(1503.68)
 
 
+@pytest.mark.heavy  # a vLLM engine, in the script's process
 @pytest.mark.timeout(300)
 def test_the_reloads_parts_are_timed_inside_vllms_own_reload_in_the_servers_environment(tiny_model_dir, tmp_path):
     """scripts/reload_parts.py (`make measure --full`'s "reload") runs vLLM's own `reload_weights` on the tiny model
@@ -141,12 +142,13 @@ def test_the_reloads_parts_are_timed_inside_vllms_own_reload_in_the_servers_envi
     f = measure.reload_figures(out)
     m = f["median_seconds"]
     assert f["reloads"] == 2 and len(f["reload_seconds"]) == 2
+    # every part timed, inside one reload: none negative (finalize is timed without the layers it processes)
     assert all(m[k] > 0 for k in ("read", "init", "process", "layers", "repack", "finalize", "cache")), m
-    assert m["layers"] + m["repack"] <= m["process"] and m["read"] + m["init"] + m["process"] + m["finalize"] <= \
-        m["reload"], m
+    assert m["copies"] > 0 and m["rest"] >= 0, m
     assert "glibc.malloc.hugetlb=1" in f["env"]["GLIBC_TUNABLES"] and f["env"]["MALLOC_MMAP_THRESHOLD_"] == "131072"
     assert f["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0" and f["copy_gb_s"] > 0
     results = {"reload": {"command": "python scripts/reload_parts.py", "commit": "0" * 40, "date": "d",
                           "machine": {"summary": "a box"}, "versions": {}, "seconds": 60.0, "figures": f}}
     page = measure.results_page(results)
-    assert all(what in page for _, what in measure.RELOAD_PARTS)
+    assert all(f"| {what} | {m[key]:.3f} |" in page for key, what in measure.RELOAD_PARTS)
+    assert f"**{m['reload']:.3f}**" in page
