@@ -473,9 +473,9 @@ def results_page(results: dict[str, dict]) -> str:
                 f"| the prefix-cache reset after it | {m['cache']:.3f} | |", "",
                 f"One copy of the weights on that core takes {f['megabytes'] / 1e3 / f['copy_gb_s']:.3f} s (its copy "
                 f"bandwidth, {f['copy_gb_s']:.2f} GB/s): the reload takes "
-                f"{m['reload'] / (f['megabytes'] / 1e3 / f['copy_gb_s']):.1f} copies' time. What a server's reload "
-                "call takes beyond it (the bench's push) is the HTTP request and the API server's RPC to the engine "
-                "core.", ""]
+                f"{m['reload'] / (f['megabytes'] / 1e3 / f['copy_gb_s']):.1f} copies' time. The bench's push times the "
+                "server's whole reload call instead (the HTTP request and the API server's RPC to the engine core "
+                "included), in a running server.", ""]
     protocol = results.get("protocol")
     out += ["## The protocol over base models and seeds", ""]
     if protocol:
