@@ -1,8 +1,9 @@
 """Every figure the README and docs/results.md state, measured on the current commit.
 
     make measure                                  # python scripts/measure.py --quick: the demo and the tiny bench
-    MEASURE=--full make measure                   # + the bench at ~100M, its reload part by part (scripts/reload_parts.py),
-                                                  #   the protocol over 3 bases x 3 seeds, make test
+    MEASURE=--full make measure                   # + the bench at ~100M, its reload part by part
+                                                  #   (scripts/reload_parts.py), the protocol over 3 bases x 3 seeds,
+                                                  #   make test
     python scripts/measure.py --only bench        # one measurement (demo, bench, bench-100m, reload, protocol, suite)
     python scripts/measure.py --suite JUNIT.xml --commit SHA   # the suite's timing, from `make test`'s JUnit XML
     python scripts/measure.py --render            # docs/results.md and the README's block, from the files alone

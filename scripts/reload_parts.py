@@ -7,8 +7,8 @@ A `reload` push is the workbench's write of one safetensors file on /dev/shm, th
 `POST /collective_rpc reload_weights` (serving/sync.py). `workbench bench` times both (sync/write_seconds,
 sync/server_seconds). This script splits the second one: it builds the same model as the bench, starts vLLM's engine
 in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, on the server's core, with the server's CPU settings), writes the
-model's weights the way a push does, and calls the worker's own `reload_weights(weights_path=...)` with timers
-wrapped around vLLM's functions:
+model's weights with the push's own writer (serving/sync.py `ReloadSync`), and calls the worker's own
+`reload_weights(weights_path=...)` with timers wrapped around vLLM's functions:
 
     read        the safetensors iterator (opening the file; its tensors are views of a memory map, so the bytes
                 are first read by the copies below)
@@ -22,9 +22,9 @@ wrapped around vLLM's functions:
     rest        what `model.load_weights` does besides (buffering each layer's weights until it is complete)
     cache       the prefix-cache reset a push ends with
 
-and sets the bytes moved against the machine's copy bandwidth measured here (workbench/platform/limits.py).
-What the server call takes beyond the in-process reload is the HTTP request, the API server to engine-core RPC and
-the scheduler's pause. Measurement only: nothing of the workbench runs differently.
+and sets the bytes moved against the core's copy bandwidth measured here (workbench/platform/limits.py). A server's
+reload call (what the bench times) adds the HTTP request and the API server's RPC to the engine core. Measurement
+only: nothing of the workbench runs differently.
 """
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -58,7 +57,8 @@ def main() -> None:
     from workbench.experiments.bench import SIZES
     from workbench.recipe import load, resolve
 
-    recipe = load("cpu-tiny", SIZES[args.size] + [f"devices.server=[{args.core}]"])
+    cores = [int(c) for c in args.core.split(",")]
+    recipe = load("cpu-tiny", SIZES[args.size] + [f"devices.server={cores}"])
     if os.environ.get(CHILD) != "1":
         # again, in the environment a managed CPU server gets (serving/launch.py: its allocator settings, thread
         # binding, KV cache): glibc's tunables only apply from a process's start
@@ -69,16 +69,16 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its functions can be timed
     import torch
 
-    os.sched_setaffinity(0, {int(c) for c in args.core.split(",")})  # the server's cores, as the server runs
-    torch.set_num_threads(len(args.core.split(",")))
-    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
 
     from workbench import tinymodel
     from workbench.platform import limits
+    from workbench.serving.sync import ReloadSync, tied_aliases
 
+    os.sched_setaffinity(0, set(cores))  # the server's cores, as the server runs
+    torch.set_num_threads(len(cores))
     model_dir = tinymodel.ensure(recipe)
-    with limits.on_cores([int(c) for c in args.core.split(",")]):
-        copy = limits.copy_bandwidth()  # one core's copy: the server's (cpu-tiny gives it one)
+    copy = limits.copy_bandwidth()  # the server's cores' copy rate (cpu-tiny gives it one)
 
     from vllm import LLM
     from vllm.model_executor.model_loader.reload import inplace, layerwise
@@ -158,23 +158,21 @@ def main() -> None:
             worker.reload_weights(weights_path=path)  # what /collective_rpc reload_weights calls
         return dict(times)
 
-    state = {k: v.detach().clone().contiguous() for k, v in
-             __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()}
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    policy = AutoModelForCausalLM.from_pretrained(model_dir)
+    push = ReloadSync(aliases=tied_aliases(policy))  # its private RAM-disk directory, removed by close()
     rows = []
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
-        # the push's layout: the model directory's config and tokenizer beside one safetensors file
-        for f in Path(model_dir).iterdir():
-            if f.is_file() and f.suffix != ".safetensors":
-                (Path(d) / f.name).write_bytes(f.read_bytes())
-        save_file(state, str(Path(d) / "model.safetensors"))
+    try:
         for i in range(args.reloads + 1):  # the first reload is a warm-up (first-touch page faults of new layers)
-            parts = llm.collective_rpc(reload_in_worker, args=(d,))[0]
+            # the file a push writes: new the first time, rewritten in place after
+            nbytes = push._write(policy.named_parameters())
+            parts = llm.collective_rpc(reload_in_worker, args=(str(push.directory),))[0]
             start = time.perf_counter()
             llm.reset_prefix_cache()
             parts["cache"] = time.perf_counter() - start
             if i:
                 rows.append(parts)
+    finally:
+        push.close()
     # nested: a layer's processing (when all its weights arrived, or in finalize for a layer loading left incomplete)
     # holds its re-creation, the loaders' copies into it, its repack and the copy back; the read (the iterator is
     # consumed by load_weights) is outside it, and finalize is timed without the processing it does. Per reload:
@@ -186,8 +184,8 @@ def main() -> None:
     keys = ("reload", "read", "init", "process", "layers", "copies", "repack", "finalize", "rest", "cache")
     med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
     out = {"size": args.size, "megabytes": nbytes / 1e6, "reloads": len(rows), "median_seconds": med,
-           "reload_seconds": [r["reload"] for r in rows], "torch_threads": torch.get_num_threads(), "env": out_env}
-    out["copy_bandwidth"] = copy
+           "reload_seconds": [r["reload"] for r in rows], "torch_threads": torch.get_num_threads(), "env": out_env,
+           "copy_bandwidth": copy}
     print(json.dumps(out, indent=1))
     mb = nbytes / 1e6
     print(f"\n{args.size}: {mb:.0f} MB, {len(rows)} reloads (median, s): "
