@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         render()
         return 0
     if args.suite:
-        commit = args.commit or git("rev-parse", "HEAD")
+        commit = git("rev-parse", args.commit or "HEAD")  # a short or symbolic name, recorded in full
         record("suite", args.command, 0.0, suite_figures(args.suite), commit, True)
         render()
         return 0
