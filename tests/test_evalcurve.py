@@ -21,7 +21,8 @@ def test_each_push_is_scored_and_the_best_step_is_kept(smoke_run, tiny_model_dir
 
     run, _ = smoke_run
     points = [json.loads(line) for line in run.train.eval_curve.read_text().splitlines()]
-    assert [p["step"] for p in points] == [0, 1, 2]  # max_steps 3: the pushes before steps 1, 2 and 3
+    # max_steps 3: the pushes before steps 1, 2 and 3, and the one after the last step (no rollout follows it)
+    assert [p["step"] for p in points] == [0, 1, 2, 3]
     assert {p["split"] for p in points} == {"validation"} and {p["n"] for p in points} == {CURVE_SAMPLES}
     assert all(p["unanswered"] == 0 and p["seconds"] > 0 for p in points)
     assert points[0]["generated_tokens"] == 0 < points[1]["generated_tokens"] < points[2]["generated_tokens"]
@@ -32,6 +33,10 @@ def test_each_push_is_scored_and_the_best_step_is_kept(smoke_run, tiny_model_dir
     base = tinymodel.greedy_accuracy(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
                                      AutoTokenizer.from_pretrained(tiny_model_dir), rows)
     assert points[0]["accuracy"] == base["accuracy"]
+    # ... and the last point the model the run ended with (train/final), so keep_best can choose it
+    final = tinymodel.greedy_accuracy(AutoModelForCausalLM.from_pretrained(run.train.final),
+                                      AutoTokenizer.from_pretrained(run.train.final), rows)
+    assert points[-1]["accuracy"] == final["accuracy"]
 
     # train/best: the earliest best-scoring step, whole, with its tokenizer
     best = max(points, key=lambda p: (p["accuracy"], -p["step"]))

@@ -223,7 +223,8 @@ class EvalConfig:
     breakdown: list[str] = field(default_factory=list)
     # the learning curve: every N optimizer steps, right after a push, the weights the server now holds (the
     # trainer's own) are scored on the first during_samples problems of during_split, greedily, with this section's
-    # request settings (training/evalcurve.py; 0: off). keep_best keeps the best-scoring step's model in train/best
+    # request settings (training/evalcurve.py; 0: off), and once more after the last step. keep_best keeps the
+    # best-scoring step's model in train/best
     every_steps: int = 0
     during_split: str = "validation"  # the learning curve's split
     during_samples: int = 100  # the learning curve's problems (the first N of during_split)

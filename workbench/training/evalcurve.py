@@ -9,7 +9,9 @@
 Right after a push (trainer.py `sync_weights`, beside the canary) the server holds exactly the trainer's weights of
 that optimizer step, and nothing else is asked of it: in async mode the push waits for the batch in flight and the
 next batch is asked for after this. So each point is tagged with the step whose weights it scored, and keeping the
-best step saves the trainer's model as it is at that moment. The first push (step 0) scores the starting model.
+best step saves the trainer's model as it is at that moment. The first push (step 0) scores the starting model;
+one more push after the last step (trainer.py `_score_final`) scores the model the run ends with, whatever
+every_steps, so train/best is never an earlier step that scored below the final model.
 Greedy requests (eval.temperature, eval.max_tokens, ...) through the chat endpoint, graded like `workbench eval`
 (tasks/grading.py); requests on the main rank only, in parallel (eval.concurrency).
 

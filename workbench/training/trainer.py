@@ -152,7 +152,9 @@ class _SyncingVLLMGeneration(VLLMGeneration):
         self.ahead.record_sync(time.perf_counter() - started)
         return out
 
-    def sync_weights(self):
+    def sync_weights(self, final: bool = False):
+        """TRL's push, through the workbench's weight sync, then the canary and the curve when due (`final`: the
+        push after the last step, whose point is always scored)."""
         if self.ahead is not None:
             self.ahead.settle()  # never change the server's weights under a running batch
         if self.adapter_only:
@@ -165,7 +167,7 @@ class _SyncingVLLMGeneration(VLLMGeneration):
                                                                           self.accelerator.is_main_process):
             self._run_canary()
         # the server holds the trainer's weights of this step and nothing is in flight: a point of the curve
-        if self.curve is not None and self.accelerator.is_main_process and self.curve.due(self.step()):
+        if self.curve is not None and self.accelerator.is_main_process and (final or self.curve.due(self.step())):
             try:
                 self.curve.score(self.step(), self.vllm_client.base_url, self.vllm_client.model)
             except Exception as exc:  # a measuring aid must never end a training run: say so once and stop it
@@ -214,6 +216,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         self._completion_tokens = 0
         self._generated_total = 0  # completion tokens sampled for training so far (the curve's x axis)
         self.curve: EvalCurve | None = None
+        self.score_final = False  # a push and a point of the curve after the last step (eval.every_steps > 0)
         self.gauge: Gauge | None = None  # the share of the cores' limits each step used (training/gauge.py)
         self._last_log_clock = time.perf_counter()
         self._steps_at_last_log = 0
@@ -502,11 +505,31 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         self._last_log_clock = time.perf_counter()  # model loading is not a training step
         self._steps_at_last_log = self.state.global_step
         try:
-            return super().train(*args, **kwargs)
+            output = super().train(*args, **kwargs)
         finally:
             if self.ahead is not None:  # the batch asked for a step that will not come
                 self.ahead.discard()
                 self._next_batches = None
+        self._score_final()
+        return output
+
+    def _score_final(self) -> None:
+        """The learning curve's last point on the model the run ends with. A push comes before a rollout and no
+        rollout follows the last step, so without this the curve stops one interval short of the end, and
+        eval.keep_best chooses among earlier steps only: on the demo, every run's kept step scored below its final
+        model on the test split. Every rank pushes (a sharded push is collective); the main rank scores."""
+        generation = getattr(self, "vllm_generation", None)
+        if not self.score_final or generation is None or generation.mode != "server":
+            return
+        if self._last_loaded_step == self.state.global_step:  # pushed at this step already: its point is there
+            return
+        try:
+            generation.sync_weights(final=True)
+        except Exception as exc:  # the training is done and is saved next: a measuring aid must not lose it
+            print(f"warning: the learning curve's final point was not scored ({type(exc).__name__}: {exc})",
+                  flush=True)
+            return
+        self._last_loaded_step = self.state.global_step
 
 
 class _DriftStart(TrainerCallback):
@@ -555,6 +578,7 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
                                      # _internal_call: a best step is not pushed to the Hub (push_to_hub)
                                      save=lambda path: trainer.save_model(str(path), _internal_call=True))
         trainer.curve = trainer.vllm_generation.curve = curve
+        trainer.score_final = curve is not None  # the same on every rank: the final push may be collective
     if train_dir is not None:  # completions generated at once: every rank's batch of one generation
         trainer.gauge = Gauge.for_recipe(rr, train_dir, model, in_flight=int(args.generation_batch_size))
     return trainer
