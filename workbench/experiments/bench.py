@@ -57,7 +57,7 @@ from workbench.rundir import RunDir, StageDir, TrainDir, write_atomic
 from workbench.tasks import dataset
 from workbench.training import launch
 from workbench.training.config import preflight
-from workbench.training.gauge import decode_context
+from workbench.training.gauge import decode_context, role_limits
 
 LOCAL = ("in-process", "colocate")  # no server: the trainer gets the server's cores too
 SERVED = ("server", "async")  # the paths that share one managed server (and its saturation sweep)
@@ -206,18 +206,19 @@ class Bench:
         # a path without a server generates and trains on both cores (see the module docstring)
         local = r.path in LOCAL
         if r.generation_tokens_per_second and r.path != "in-process":  # in-process: TRL's generate, not vLLM
-            ceiling = roofline.decode_ceiling(shape, self.limits["both" if local else "server"])
+            where = self.limits["both" if local else "server"]
+            ceiling = roofline.decode_ceiling(shape, where)
             parts.append(f"generation at {r.generation_tokens_per_second / ceiling['ceiling']:.0%} of "
-                         f"{'both' if local else 'the server'} cores' decode ceiling ({ceiling['ceiling']:.0f} "
+                         f"{roofline.owner('both' if local else 'server', where)} decode ceiling ({ceiling['ceiling']:.0f} "
                          f"tokens/s for {shape.in_flight} sequences, {ceiling['bound']}-bound: memory "
                          f"{ceiling['memory']:.0f}, compute {ceiling['compute']:.0f})")
         cores = self.limits["both" if local else "trainer"]
         share = roofline.optimisation_share(shape, r.tokens_per_step, r.breakdown.get("time/optimisation", 0.0), cores)
         if share is not None:
             gemm = cores["gemm"]
-            parts.append(f"optimisation at {share:.0%} of {'both' if local else 'the trainer'} cores' float32 GEMM "
-                         f"throughput ({gemm['median']:.0f} GFLOP/s, {gemm['min']:.0f}-{gemm['max']:.0f}; completion "
-                         "tokens only: a lower bound)")
+            parts.append(f"optimisation at {share:.0%} of {roofline.owner('both' if local else 'trainer', cores)} "
+                         f"{roofline.gemm_kind(cores)} ({gemm['median']:.0f} GFLOP/s, {gemm['min']:.0f}-"
+                         f"{gemm['max']:.0f}; completion tokens only: a lower bound)")
         return f"{r.size} {r.path}: " + "; ".join(parts) if parts else None
 
     def save(self, stage: StageDir) -> Path:
@@ -274,11 +275,11 @@ def sync_line(r: PathResult, copy: dict) -> str:
 
 
 def _limits(rr: Resolved) -> dict | None:
-    """The limits on the server's cores, the trainer's and both (where a path without a server trains); CPU only."""
-    if rr.platform != "cpu":
-        return None
+    """The limits of the server's cores or cards, the trainer's and both (where a path without a server trains):
+    measured on the CPU, an accelerator's datasheet peaks (training/gauge.py role_limits)."""
     server, trainer = list(rr.server.devices), list(rr.trainer.devices)
-    return roofline.measure({"server": server, "trainer": trainer, "both": sorted(set(server) | set(trainer))})
+    roles = {"server": server, "trainer": trainer, "both": sorted(set(server) | set(trainer))}
+    return roofline.measure(roles) if rr.platform == "cpu" else role_limits(rr, roles)
 
 
 def machine(rr: Resolved) -> dict:

@@ -63,6 +63,7 @@ class RunRecords:
     recipe: dict | None = None
     events: list[dict] = field(default_factory=list)
     canary: list[dict] = field(default_factory=list)
+    limits: dict = field(default_factory=dict)  # the gauge's limits per role (limits.json): a datasheet's carry their source
 
 
 def _series(rows: list[dict], key: str) -> list[float]:
@@ -409,8 +410,8 @@ def memory_growth(records) -> Finding | None:
 
 
 def far_from_limits(records) -> Finding | None:
-    """The trainer waits for rollouts while the server decodes far under what its cores could for that batch
-    (gauge/generation: training/gauge.py, measured limits of this machine's cores)."""
+    """The trainer waits for rollouts while the server decodes far under what its cores or cards could for that
+    batch (gauge/generation: training/gauge.py, the cores' measured limits or the cards' datasheet peaks)."""
     share = _series(records.metrics, "gauge/generation")
     step = _series(records.metrics, "time/step")
     # the wait for rollouts; runs from before it was logged apart waited for the whole (synchronous) generation
@@ -421,15 +422,19 @@ def far_from_limits(records) -> Finding | None:
     if median >= FAR_FROM_CEILING or waited < GENERATION_BOUND_SHARE:
         return None
     training = _series(records.metrics, "gauge/optimisation")
-    also = f"; the optimisation at {statistics.median(training):.0%} of the trainer cores' GEMM throughput" \
+    sheet = any(isinstance(v, dict) and "source" in v for v in records.limits.values())
+    unit, gemm = ("cards'", "dense bf16 peak") if sheet else ("cores'", "GEMM throughput")
+    also = f"; the optimisation at {statistics.median(training):.0%} of the trainer {unit} {gemm}" \
         if training else ""
+    where = ("check that the server's cards are not shared with another process" if sheet else
+             "check the server's thread binding and core count (devices.server, VLLM_CPU_OMP_THREADS_BIND) and that "
+             "nothing else runs on its cores")
     return Finding(
-        "far_from_limits", "warning", "Rollouts wait on a server that decodes far below its cores' ceiling",
-        f"the generation ran at {median:.0%} of the server cores' decode ceiling (median over {len(share)} steps) "
+        "far_from_limits", "warning", f"Rollouts wait on a server that decodes far below its {unit[:-1]}' ceiling",
+        f"the generation ran at {median:.0%} of the server {unit} decode ceiling (median over {len(share)} steps) "
         f"while the trainer waited for rollouts {waited:.0%} of each step{also}",
-        "the server is not limited by its cores: decode more sequences at once (more prompts per step, "
-        "trainer.num_generations, or rollout.mode: async), check the server's thread binding and core count "
-        "(devices.server, VLLM_CPU_OMP_THREADS_BIND) and that nothing else runs on its cores")
+        f"the server is not limited by its {unit[:-1]}: decode more sequences at once (more prompts per step, "
+        f"trainer.num_generations, or rollout.mode: async), {where}")
 
 
 RULES: dict[str, Callable] = {fn.__name__: fn for fn in
@@ -444,7 +449,7 @@ def advise(records=None, *, metrics=None, devices=None, rollout=None, recipe=Non
     elif not isinstance(records, RunRecords):  # a rundata.RunData: only the per-step lines are metrics
         records = RunRecords(list(getattr(records, "train_metrics", records.metrics)), records.devices,
                              records.rollout, records.recipe, list(getattr(records, "events", [])),
-                             list(getattr(records, "canary", [])))
+                             list(getattr(records, "canary", [])), dict(getattr(records, "limits", {}) or {}))
     findings = []
     for rule in RULES.values():
         finding = rule(records)

@@ -77,6 +77,12 @@ class RunData:
     def train_summary(self) -> dict | None:
         return self._json(self.dir.summary)
 
+    @property
+    def limits(self) -> dict:
+        """The roles' limits the gauge compares against (limits.json, training/gauge.py): role -> its figures, a
+        datasheet's carrying their `source`; empty when the run had no gauge."""
+        return (self._json(self.dir.limits) or {}).get("limits") or {}
+
     def ranks(self) -> list[dict]:
         """Each trainer rank's process and device (ranks.json, written by the main rank at start)."""
         try:

@@ -80,10 +80,13 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
             value = avg(rows, key)
             if value is not None:
                 out.append((label, f"{value:.3g}"))
-        for key, label in (("gauge/generation", "generation, share of the server cores' decode ceiling"),
-                           ("gauge/optimisation", "optimisation, share of the trainer cores' GEMM throughput")):
+        # training/gauge.py: a CPU's cores measured when training began, or an accelerator's datasheet peaks
+        sheet = any(isinstance(v, dict) and "source" in v for v in data.limits.values())
+        unit, gemm = ("cards'", "dense bf16 peak") if sheet else ("cores'", "GEMM throughput")
+        for key, label in (("gauge/generation", f"generation, share of the server {unit} decode ceiling"),
+                           ("gauge/optimisation", f"optimisation, share of the trainer {unit} {gemm}")):
             value = avg(rows, key)
-            if value is not None:  # CPU runs (training/gauge.py): the cores' limits measured when training began
+            if value is not None:
                 out.append((label, f"{value:.0%}"))
     out += curve_rows(data.eval_curve, rows)
     summary = data.train_summary or {}

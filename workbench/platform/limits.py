@@ -11,7 +11,13 @@ parameters)); the KV cache each sequence reads is added to the bytes. An optimis
 parameter per token (forward and backward): its share of the cores' GEMM throughput is those FLOPs over its seconds.
 Only completion tokens are counted (prompt lengths are not logged), so that share is a lower bound. Read bandwidth
 (a sum over a buffer) is the decode's limit; copy bandwidth (bytes copied, read and write not added up) a weight
-push's. Measured on the CPU only; accelerators have no entry yet.
+push's.
+
+Measured on the CPU. An accelerator's limits are its datasheet's (datasheets.yaml, matched by the driver's device
+name; the recipe's devices.peak_memory_gb_s and devices.peak_tflops win), in the same form, for the role's cards:
+
+    sheet = limits.datasheet(limits.device_name("cuda"), memory_gb_s=None, tflops=None)   # None: unknown card
+    limits.from_datasheet(sheet, cards=4)       # HBM bandwidth as read, half of it as copy, dense bf16 as GEMM
 Used by `workbench bench` (experiments/bench.py) and, at the start of every CPU training, by the trainer
 (training/gauge.py: the gauge/* metrics, the dashboard's and the report's rows, the advisor).
 """
@@ -19,10 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
+
+DATASHEETS = Path(__file__).with_name("datasheets.yaml")
 
 
 @contextlib.contextmanager
@@ -144,3 +154,67 @@ def optimisation_share(shape: Shape, tokens: float, seconds: float, cores: dict)
     if not seconds or not tokens:
         return None
     return 6 * shape.parameters * tokens / seconds / (cores["gemm"]["median"] * 1e9)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Accelerators: the datasheet's peaks where the gauge does not measure
+
+
+@dataclass(frozen=True)
+class Datasheet:
+    device: str  # the name the driver reports
+    memory_gb_s: float  # one card's memory bandwidth
+    tflops: float  # one card's dense bf16/fp16 tensor throughput
+    source: str
+
+
+def device_name(platform: str) -> str:
+    """The current device's name as its driver reports it (`NVIDIA H200`, `Ascend910B2`)."""
+    import torch
+
+    if platform == "npu":
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        return torch.npu.get_device_name(torch.npu.current_device())
+    return torch.cuda.get_device_name(torch.cuda.current_device())
+
+
+def datasheet(device: str, memory_gb_s: float | None = None, tflops: float | None = None) -> Datasheet | None:
+    """The peaks of one card named `device`: datasheets.yaml's first matching row, each figure replaced by the
+    recipe's where given; None when a figure is still missing (a card the table does not know)."""
+    import yaml
+
+    row = next((r for r in yaml.safe_load(DATASHEETS.read_text())
+                if re.search(r["match"], device, re.IGNORECASE)), None) or {}
+    memory, compute = memory_gb_s or row.get("memory_gb_s"), tflops or row.get("tflops")
+    if not memory or not compute:
+        return None
+    mine = [name for name, value in (("devices.peak_memory_gb_s", memory_gb_s), ("devices.peak_tflops", tflops))
+            if value]
+    source = " and ".join(([row["source"]] if len(mine) < 2 else []) + ([f"the recipe's {', '.join(mine)}"]
+                                                                          if mine else []))
+    return Datasheet(device, float(memory), float(compute), source)
+
+
+def from_datasheet(sheet: Datasheet, cards: int) -> dict:
+    """`cards` such cards' limits in measure()'s form: the memory bandwidth as read bandwidth, half of it as copy
+    bandwidth (a copy reads and writes each byte it moves), the dense tensor throughput as the GEMM's."""
+    def peak(value: float) -> dict:
+        return {"median": value, "min": value, "max": value, "repeats": 0}
+
+    return {"cards": cards, "device": sheet.device, "source": sheet.source,
+            "read": peak(sheet.memory_gb_s * cards), "copy": peak(sheet.memory_gb_s * cards / 2),
+            "gemm": peak(sheet.tflops * 1e3 * cards)}
+
+
+def owner(role: str, measured: dict) -> str:
+    """Whose limits, for a sentence: `the server cores'` (measured) or `the server cards'` (a datasheet's); `both
+    cores'` for the two roles' together."""
+    if role == "both":
+        return "both roles' cards'" if "source" in measured else "both cores'"
+    return f"the {role} {'cards' if 'source' in measured else 'cores'}'"
+
+
+def gemm_kind(measured: dict) -> str:
+    """What the GEMM figure is: measured float32 throughput, or a datasheet's dense bf16 peak (and whose)."""
+    return f"dense bf16 peak ({measured['source']})" if "source" in measured else "float32 GEMM throughput"

@@ -163,6 +163,15 @@ def model_path(recipe: Recipe) -> str:
 
 def _roles(recipe: Recipe, platform: str, sync: str) -> tuple[Role, Role]:
     d = recipe.devices
+    peaks = {name: value for name in ("peak_memory_gb_s", "peak_tflops")
+             if (value := getattr(d, name)) is not None}
+    for name, value in peaks.items():
+        if platform == "cpu":
+            raise WorkbenchError(f"devices.{name}={value} on the CPU: the datasheet peaks are an accelerator's, and "
+                                 "the gauge measures the CPU's cores itself", f"drop devices.{name}")
+        if not value > 0:
+            raise WorkbenchError(f"devices.{name}={value}: a card's peak must be above 0",
+                                 f"give the card's figure (GB/s or dense bf16 TFLOPS), or drop devices.{name}")
     # a run directory's recipe copy has secrets redacted: those variables come from the inherited environment
     server_env, trainer_env = ({k: v for k, v in d.env.items() if v != REDACTED},) * 2
     trainer_env = dict(trainer_env)

@@ -5,16 +5,18 @@
 
 When the trainer is built, the limits (platform/limits.py) are measured once on the trainer role's cores and, when
 the server runs on this machine (managed, or attached on a loopback address), on the server's: copy bandwidth and
-read bandwidth and float32 GEMM throughput, 128 MB buffers and 1024-cube products, five of each (1-3 s). They are
-written to train/limits.json with the model's shape. Each logged step then gets
-  gauge/generation  the generation's completion tokens/s ÷ the server cores' decode ceiling for the step's batch
+read bandwidth and float32 GEMM throughput, 128 MB buffers and 1024-cube products, five of each (1-3 s). On an
+accelerator they are the card's datasheet peaks (platform/datasheets.yaml by the trainer's device name, or the
+recipe's devices.peak_memory_gb_s / peak_tflops) times the role's cards, the server's cards taken to be the
+trainer's kind. They are written to train/limits.json with the model's shape. Each logged step then gets
+  gauge/generation  the generation's completion tokens/s ÷ the server's decode ceiling for the step's batch
   gauge/optimisation  the optimisation's FLOPs (6 per parameter per completion token) ÷ its seconds ÷ the
-                      trainer cores' GEMM throughput (a lower bound: prompt tokens are not counted)
+                      trainer's GEMM throughput (a lower bound: prompt tokens are not counted)
 read by the dashboard's and the report's summary rows and by the advisor (`far_from_limits`).
 
-Left out (None): accelerators (their limits are not measured yet), several trainer ranks (each rank's share would
-need its own tokens), a remote server (its cores cannot be measured from here; gauge/optimisation is still
-logged).
+Left out (None): a card with no datasheet row and no recipe figures (said once when the trainer starts), several
+trainer ranks (each rank's share would need its own tokens), a remote server (its cores cannot be measured from
+here; gauge/optimisation is still logged).
 """
 from __future__ import annotations
 
@@ -40,6 +42,21 @@ def decode_context(recipe) -> float:
     return recipe.data.max_prompt_length + recipe.max_completion_length / 2
 
 
+def role_limits(rr: Resolved, roles: dict[str, list[int]], log=print) -> dict | None:
+    """Each role's limits: measured on its cores (CPU), or its cards' datasheet peaks (an accelerator; None, said
+    once, for a card neither datasheets.yaml nor the recipe gives figures for)."""
+    if rr.platform == "cpu":
+        return limits.measure(roles, megabytes=128)
+    name = limits.device_name(rr.platform)
+    d = rr.recipe.devices
+    sheet = limits.datasheet(name, d.peak_memory_gb_s, d.peak_tflops)
+    if sheet is None:
+        log(f"gauge: no datasheet figures for {name!r} (platform/datasheets.yaml): no gauge/* metrics; give the "
+            "card's devices.peak_memory_gb_s and devices.peak_tflops in the recipe")
+        return None
+    return {role: limits.from_datasheet(sheet, len(cards)) for role, cards in roles.items()}
+
+
 class Gauge:
     def __init__(self, shape: limits.Shape, measured: dict) -> None:
         self.shape = shape
@@ -49,12 +66,14 @@ class Gauge:
     def for_recipe(cls, rr: Resolved, train_dir: TrainDir, model, in_flight: int) -> "Gauge | None":
         from urllib.parse import urlparse
 
-        if rr.platform != "cpu" or rr.trainer_processes > 1 or rr.recipe.distributed.nodes > 1:
+        if rr.trainer_processes > 1 or rr.recipe.distributed.nodes > 1:
             return None
         roles = {"trainer": training_cores(rr)}
         if not rr.recipe.server.in_process and is_loopback(urlparse(rr.server_url).hostname or ""):
             roles["server"] = list(rr.server.devices)
-        measured = limits.measure(roles, megabytes=128)
+        measured = role_limits(rr, roles)
+        if measured is None:
+            return None
         shape = limits.Shape.from_config(model.config.to_dict(), sum(p.numel() for p in model.parameters()),
                                          next(model.parameters()).element_size(), in_flight, decode_context(rr.recipe))
         write_atomic(train_dir.limits, json.dumps({"shape": shape.__dict__, "limits": measured}, indent=2))
