@@ -38,8 +38,9 @@ demo: $(STAMP)
 	$(VENV)/bin/workbench run --recipe cpu-tiny-async
 
 # every figure the README and docs/results.md state, measured again on the current commit (scripts/measure.py):
-# --quick (the default) the demo and the bench on the demo's model, about 25 minutes on 2 cores; MEASURE=--full adds
-# the bench at ~100M parameters and the protocol over three base models and three seeds (hours)
+# --quick (the default) the demo and the bench on the demo's model, about 15 minutes on 2 cores; MEASURE=--full adds
+# the bench at ~100M parameters (~15 min), the reload part by part (~1 min), the protocol over three base models and
+# three seeds (~90 min) and the suite; MEASURE='--only NAME' measures one of them
 MEASURE ?= --quick
 measure: $(STAMP)
 	$(PY) scripts/measure.py $(MEASURE)
