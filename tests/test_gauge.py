@@ -18,6 +18,7 @@ from workbench.platform import limits
     ("NVIDIA H100 80GB HBM3", 3350, 989), ("NVIDIA H200", 4800, 989), ("NVIDIA H200 NVL", 4800, 835),
     ("NVIDIA H100 PCIe", 2000, 756), ("NVIDIA H100 NVL", 3900, 835),
     ("NVIDIA A100-SXM4-80GB", 2039, 312), ("NVIDIA A100 80GB PCIe", 1935, 312), ("NVIDIA A100-SXM4-40GB", 1555, 312),
+    ("NVIDIA A100-PCIE-40GB", 1555, 312),
     # as npu-smi (tests/fixtures/npu-smi/info-910b2c-narrow.txt) and torch.npu print them
     ("910B2C", 1600, 354), ("Ascend910B2", 1600, 354),
 ])
@@ -29,6 +30,7 @@ def test_a_cards_datasheet_is_found_by_the_name_its_driver_prints(name, memory, 
 
 def test_the_recipes_figures_win_and_an_unknown_card_has_none():
     assert limits.datasheet("910B4-1") is None  # a variant the table does not know: no guessed figures
+    assert limits.datasheet("NVIDIA GH200 480GB") is None  # not an H200: other memory
     assert limits.datasheet("Ascend910B4", tflops=280.0) is None  # one figure is not a roofline
     mine = limits.datasheet("Ascend910B4", memory_gb_s=800.0, tflops=280.0)
     assert (mine.memory_gb_s, mine.tflops) == (800.0, 280.0)
@@ -137,4 +139,19 @@ def test_the_bench_names_the_cards_and_their_datasheet():
     line = bench.Bench("cuda-2gpu", 4, 1, {"summary": "x"}, [r], sizes={"1.5b": {"shape": shape}},
                        limits=lim).gauge_line(r)
     assert "of the server cards' decode ceiling" in line
-    assert "of the trainer cards' dense bf16 peak (NVIDIA H200 SXM datasheet) (989000 GFLOP/s" in line
+    assert "of the trainer cards' dense bf16 peak (989 TFLOPS, NVIDIA H200 SXM datasheet; completion" in line
+
+
+def test_a_trainer_that_generates_itself_on_a_gpu_counts_only_its_own_cards(monkeypatch):
+    """colocate on an accelerator: vLLM runs in the trainer process, which sees only the trainer's cards (its
+    visible-devices variable); on the CPU the same process may use both roles' cores."""
+    from workbench.experiments import bench
+    from workbench.training import gauge
+
+    monkeypatch.setattr(limits, "device_name", lambda platform: "NVIDIA H100 80GB HBM3")
+    rr = recipe.resolve(recipe.load("cuda-2gpu", ["server.mode=colocate"]), platform="cuda")
+    assert rr.recipe.server.in_process and gauge.training_cores(rr) == list(rr.trainer.devices) == [1]
+    lim = bench._limits(rr)
+    assert lim["both"] == lim["trainer"] == limits.from_datasheet(limits.datasheet("NVIDIA H100 80GB HBM3"), 1)
+    cpu = recipe.resolve(recipe.load("cpu-tiny", ["server.mode=colocate"]), platform="cpu")
+    assert gauge.training_cores(cpu) == [0, 1]

@@ -245,10 +245,10 @@ def test_smoke_run_records_metrics_devices_and_rollout(smoke_run):
     scraped = [json.loads(line) for line in train.rollout.read_text().splitlines()]
     assert scraped and not any("error" in r for r in scraped)
     # the last scrape (after the last step): 3 steps of 2 prompts x 4 generations, apart from the canary's probes
-    # and the learning curve's greedy requests (one per problem at each of the 3 pushes)
+    # and the learning curve's greedy requests (one per problem at each of the 3 pushes and the final one)
     assert scraped[-1]["generation_tokens"] > 0
     last = served_during(train, end=scraped[-1])  # the shared server's counters, less what it served before
-    curve = 3 * CURVE_SAMPLES
+    curve = 4 * CURVE_SAMPLES
     assert (last["generation_prompts"] - curve, last["generation_sequences"] - curve) == (6, 24), scraped[-1]
     summary = json.loads(train.summary.read_text())
     assert summary["monitor"]["samples"] >= 1 and summary["monitor"]["errors"] == 0

@@ -181,8 +181,8 @@ def test_smoke_run_through_the_server(smoke_run):
     served = served_during(train_dir)  # the server's own counters: at the run's end less at its start
     # what the steps asked for: 2 prompts x 4 generations a step, 3 steps; apart from the canary's one-token probes
     # (4 probe sequences, checked after the first push only: canary_every is 10) and the learning curve's greedy
-    # requests (one per problem, at each of the 3 pushes)
-    curve = 3 * CURVE_SAMPLES
+    # requests (one per problem, at each of the 3 pushes and at the push after the last step)
+    curve = 4 * CURVE_SAMPLES
     assert (served["generation_prompts"] - curve, served["generation_sequences"] - curve) == (6, 24), served
     assert served["probe_requests"] == 4, served
     assert (train_dir.final / "model.safetensors").exists() and (train_dir.final / "tokenizer.json").exists()

@@ -216,9 +216,13 @@ class Bench:
         share = roofline.optimisation_share(shape, r.tokens_per_step, r.breakdown.get("time/optimisation", 0.0), cores)
         if share is not None:
             gemm = cores["gemm"]
-            parts.append(f"optimisation at {share:.0%} of {roofline.owner('both' if local else 'trainer', cores)} "
-                         f"{roofline.gemm_kind(cores)} ({gemm['median']:.0f} GFLOP/s, {gemm['min']:.0f}-"
-                         f"{gemm['max']:.0f}; completion tokens only: a lower bound)")
+            whose = roofline.owner('both' if local else 'trainer', cores)
+            if "source" in cores:  # a datasheet's peak: one figure, and where it comes from
+                parts.append(f"optimisation at {share:.0%} of {whose} dense bf16 peak ({gemm['median'] / 1e3:.0f} "
+                             f"TFLOPS, {cores['source']}; completion tokens only: a lower bound)")
+            else:
+                parts.append(f"optimisation at {share:.0%} of {whose} float32 GEMM throughput ({gemm['median']:.0f} "
+                             f"GFLOP/s, {gemm['min']:.0f}-{gemm['max']:.0f}; completion tokens only: a lower bound)")
         return f"{r.size} {r.path}: " + "; ".join(parts) if parts else None
 
     def save(self, stage: StageDir) -> Path:
@@ -278,8 +282,10 @@ def _limits(rr: Resolved) -> dict | None:
     """The limits of the server's cores or cards, the trainer's and both (where a path without a server trains):
     measured on the CPU, an accelerator's datasheet peaks (training/gauge.py role_limits)."""
     server, trainer = list(rr.server.devices), list(rr.trainer.devices)
-    roles = {"server": server, "trainer": trainer, "both": sorted(set(server) | set(trainer))}
-    return roofline.measure(roles) if rr.platform == "cpu" else role_limits(rr, roles)
+    if rr.platform == "cpu":
+        return roofline.measure({"server": server, "trainer": trainer, "both": sorted(set(server) | set(trainer))})
+    # a path without a server runs in the trainer process, which sees the trainer's cards only
+    return role_limits(rr, {"server": server, "trainer": trainer, "both": trainer})
 
 
 def machine(rr: Resolved) -> dict:

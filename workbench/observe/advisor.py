@@ -431,7 +431,8 @@ def far_from_limits(records) -> Finding | None:
              "nothing else runs on its cores")
     return Finding(
         "far_from_limits", "warning", f"Rollouts wait on a server that decodes far below its {unit[:-1]}' ceiling",
-        f"the generation ran at {median:.0%} of the server {unit} decode ceiling (median over {len(share)} steps) "
+        f"the generation ran at {median:.0%} of the server {unit} {'datasheet ' if sheet else ''}decode ceiling "
+        f"(median over {len(share)} steps) "
         f"while the trainer waited for rollouts {waited:.0%} of each step{also}",
         f"the server is not limited by its {unit[:-1]}: decode more sequences at once (more prompts per step, "
         f"trainer.num_generations, or rollout.mode: async), {where}")

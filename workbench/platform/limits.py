@@ -213,8 +213,3 @@ def owner(role: str, measured: dict) -> str:
     if role == "both":
         return "both roles' cards'" if "source" in measured else "both cores'"
     return f"the {role} {'cards' if 'source' in measured else 'cores'}'"
-
-
-def gemm_kind(measured: dict) -> str:
-    """What the GEMM figure is: measured float32 throughput, or a datasheet's dense bf16 peak (and whose)."""
-    return f"dense bf16 peak ({measured['source']})" if "source" in measured else "float32 GEMM throughput"

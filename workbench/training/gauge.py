@@ -29,10 +29,11 @@ from workbench.serving.launch import is_loopback
 
 
 def training_cores(rr: Resolved) -> list[int]:
-    """The CPU cores a single trainer process trains on: the trainer role's, and the server's too when there is no
-    server process (server.mode off or colocate)."""
+    """The CPU cores (or cards) a single trainer process trains on: the trainer role's, and on the CPU the server's
+    too when there is no server process (server.mode off or colocate). An accelerator's trainer sees only its own
+    cards (its visible-devices variable), colocated generation included."""
     cores = list(rr.trainer.devices)
-    if rr.recipe.server.in_process:
+    if rr.recipe.server.in_process and rr.platform == "cpu":
         cores = sorted(set(cores) | set(rr.server.devices))
     return cores
 
@@ -47,7 +48,12 @@ def role_limits(rr: Resolved, roles: dict[str, list[int]], log=print) -> dict | 
     once, for a card neither datasheets.yaml nor the recipe gives figures for)."""
     if rr.platform == "cpu":
         return limits.measure(roles, megabytes=128)
-    name = limits.device_name(rr.platform)
+    try:
+        name = limits.device_name(rr.platform)
+    except Exception as exc:  # a measuring aid must not stop a training
+        log(f"gauge: the {rr.platform} device's name could not be read ({type(exc).__name__}: {exc}): no gauge/* "
+            "metrics")
+        return None
     d = rr.recipe.devices
     sheet = limits.datasheet(name, d.peak_memory_gb_s, d.peak_tflops)
     if sheet is None:

@@ -163,8 +163,9 @@ class _SyncingVLLMGeneration(VLLMGeneration):
             super().sync_weights()
         if self.mode != "server":
             return
-        if self.canary is not None and self.canary.due(self.step()) and (self.sharded or
-                                                                          self.accelerator.is_main_process):
+        # not after the last step: the canary checked the run's pushes, and an alarm there would only be swallowed
+        if not final and self.canary is not None and self.canary.due(self.step()) and (
+                self.sharded or self.accelerator.is_main_process):
             self._run_canary()
         # the server holds the trainer's weights of this step and nothing is in flight: a point of the curve
         if self.curve is not None and self.accelerator.is_main_process and (final or self.curve.due(self.step())):
@@ -217,6 +218,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         self._generated_total = 0  # completion tokens sampled for training so far (the curve's x axis)
         self.curve: EvalCurve | None = None
         self.score_final = False  # a push and a point of the curve after the last step (eval.every_steps > 0)
+        self._began_at: int | None = None  # the step training began at (a resume's checkpoint), set at train begin
         self.gauge: Gauge | None = None  # the share of the cores' limits each step used (training/gauge.py)
         self._last_log_clock = time.perf_counter()
         self._steps_at_last_log = 0
@@ -236,8 +238,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
                 step=lambda: self.state.global_step, server_logprobs=server_logprobs, overlap=overlap)
             self._last_loaded_step = -1
         self._next_batches: tuple | None = None  # (data iterator, the next optimizer step's batches): async only
-        if drift is not None:
-            self.add_callback(_DriftStart(self))
+        self.add_callback(_TrainBegin(self))
 
     # --- the policy's KL from its starting weights (training/drift.py) ----------------------------------------
 
@@ -517,28 +518,39 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         """The learning curve's last point on the model the run ends with. A push comes before a rollout and no
         rollout follows the last step, so without this the curve stops one interval short of the end, and
         eval.keep_best chooses among earlier steps only: on the demo, every run's kept step scored below its final
-        model on the test split. Every rank pushes (a sharded push is collective); the main rank scores."""
+        model on the test split. The main rank pushes and scores; no canary, and no server restart (a server
+        lost after the last rollout costs this point, not minutes of the run). Its seconds are in the point and
+        the run's train_seconds, not in the per-step time/eval_curve (no log line follows).
+
+        Left out: sharded parameters (ZeRO-3, FSDP), whose push is collective (a fault on the main rank would leave
+        the ranks in different collectives before the final save), and a resumed run that trained no step (its
+        final point was recorded before it stopped)."""
         generation = getattr(self, "vllm_generation", None)
-        if not self.score_final or generation is None or generation.mode != "server":
+        if not self.score_final or generation is None or generation.mode != "server" or generation.sharded:
             return
-        if self._last_loaded_step == self.state.global_step:  # pushed at this step already: its point is there
+        if self.state.global_step == self._began_at:
             return
+        if not self.accelerator.is_main_process:  # an unsharded push is the main rank's alone
+            return
+        client = generation.vllm_client
+        recovery, client.recovery = getattr(client, "recovery", None), None
         try:
             generation.sync_weights(final=True)
         except Exception as exc:  # the training is done and is saved next: a measuring aid must not lose it
             print(f"warning: the learning curve's final point was not scored ({type(exc).__name__}: {exc})",
                   flush=True)
-            return
-        self._last_loaded_step = self.state.global_step
+        finally:
+            client.recovery = recovery
 
 
-class _DriftStart(TrainerCallback):
+class _TrainBegin(TrainerCallback):
     """on_train_begin runs after the model is prepared and a resume's checkpoint loaded, before the first step."""
 
     def __init__(self, trainer: WorkbenchGRPOTrainer) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._began_at = state.global_step
         self.trainer._drift_start()
 
 
