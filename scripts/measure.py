@@ -191,6 +191,11 @@ def demo_figures(path: Path, seconds: float) -> dict:
                    "cost_share": sum(curve_cost) / sum(steps) if steps and curve_cost else None} if points else None),
         "groups_with_spread": {"first_fifth": spread_share(rows[:fifth]), "last_fifth": spread_share(rows[-fifth:])},
         "kl_probes": {"max": max(drift), "last": drift[-1]} if drift else None,
+        # the monitor's sampler and the roofline gauge, each as a share of one core over the training
+        "overhead": {"sampler_core_share": (summary.get("monitor") or {}).get("core_share"),
+                     "gauge_cpu_seconds": (data.gauge_cost or {}).get("cpu_seconds"),
+                     "gauge_core_share": ((data.gauge_cost or {}).get("cpu_seconds") or 0) / summary["train_seconds"]
+                     if data.gauge_cost and summary.get("train_seconds") else None},
     }
 
 
@@ -436,6 +441,11 @@ def results_page(results: dict[str, dict]) -> str:
         if f.get("kl_probes"):
             out.append(f"| KL from the start on the probes (nats/token) | max {f['kl_probes']['max']:.3g}, last "
                        f"{f['kl_probes']['last']:.3g} |")
+        o = f.get("overhead") or {}
+        if o.get("sampler_core_share") is not None and o.get("gauge_core_share") is not None:
+            out.append(f"| monitoring's cost (share of one core over the training) | the sampler "
+                       f"{o['sampler_core_share']:.2%}, the roofline gauge {o['gauge_core_share']:.2%} "
+                       f"({o['gauge_cpu_seconds']:.2f} CPU-s before the first step) |")
         out += ["", "One run and one seed: the gain's spread over seeds and base models is the protocol's "
                     "(below, `--full`).", ""]
     for name, title in (("bench", "The bench on the demo's model"), ("bench-100m", "The bench at ~100M parameters")):

@@ -285,3 +285,12 @@ def test_measure_reads_a_runs_figures(pipeline_run):
     assert all(v > 0 for v in figures["stage_seconds"].values()) and figures["step_seconds"] > 0
     spread = figures["groups_with_spread"]
     assert 0 <= spread["first_fifth"] <= 1 and 0 <= spread["last_fifth"] <= 1
+    # monitoring's cost: the sampler's share of a core and the gauge's CPU seconds, as the training recorded them
+    from workbench.rundir import RunDir
+
+    train = RunDir.open(run_dir).train
+    summary, cost = json.loads(train.summary.read_text()), json.loads(train.limits.read_text())["cost"]
+    overhead = figures["overhead"]
+    assert overhead["sampler_core_share"] == summary["monitor"]["core_share"] > 0
+    assert overhead["gauge_cpu_seconds"] == cost["cpu_seconds"] > 0
+    assert overhead["gauge_core_share"] == cost["cpu_seconds"] / summary["train_seconds"]

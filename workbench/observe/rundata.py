@@ -83,6 +83,12 @@ class RunData:
         datasheet's carrying their `source`; empty when the run had no gauge."""
         return (self._json(self.dir.limits) or {}).get("limits") or {}
 
+    @property
+    def gauge_cost(self) -> dict | None:
+        """What measuring the limits cost when training began: seconds and cpu_seconds (None: no gauge, or a run
+        from before it was recorded)."""
+        return (self._json(self.dir.limits) or {}).get("cost")
+
     def ranks(self) -> list[dict]:
         """Each trainer rank's process and device (ranks.json, written by the main rank at start)."""
         try:

@@ -94,6 +94,11 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
     if monitor.get("wall_seconds"):
         out.append(("sampler CPU time", f"{monitor['cpu_seconds']:.2f}s over {monitor['wall_seconds']:.0f}s "
                                         f"({monitor['core_share']:.2%} of a core)"))
+    cost = data.gauge_cost
+    if cost and summary.get("train_seconds"):
+        out.append(("roofline gauge's cost", f"{cost['cpu_seconds']:.2f} CPU-s measuring the limits before the first "
+                                            f"step ({cost['cpu_seconds'] / summary['train_seconds']:.2%} of a core "
+                                            "over the training)"))
     adapter = summary.get("adapter") or {}
     if adapter:
         out.append(("LoRA adapter", f"rank {adapter.get('rank')}, {adapter.get('bytes', 0) / 1e6:.2f} MB a push, "

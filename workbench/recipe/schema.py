@@ -163,10 +163,10 @@ class DevicesConfig:
     server: list[int] = field(default_factory=lambda: [0])  # device ids (CPU: cores) that serve
     trainer: list[int] = field(default_factory=lambda: [1])  # device ids (CPU: cores) that train
     env: dict[str, str] = field(default_factory=dict)  # for every process (HCCL timeouts, log levels)
-    # an accelerator's peaks per card for the roofline gauge (training/gauge.py): memory bandwidth (GB/s) and dense
-    # bf16 TFLOPS. None: platform/datasheets.yaml's figures for the card's name. The CPU's limits are measured.
-    peak_memory_gb_s: float | None = None
-    peak_tflops: float | None = None
+    # an accelerator's peaks per card for the roofline gauge (training/gauge.py); None: platform/datasheets.yaml's
+    # figures for the card's name. Not on the CPU, whose limits are measured.
+    peak_memory_gb_s: float | None = None  # one card's memory bandwidth in GB/s, for the gauge (None: the datasheet's)
+    peak_tflops: float | None = None  # one card's dense bf16 TFLOPS, for the gauge (None: the datasheet's)
 
 
 @dataclass

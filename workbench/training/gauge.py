@@ -8,7 +8,8 @@ the server runs on this machine (managed, or attached on a loopback address), on
 read bandwidth and float32 GEMM throughput, 128 MB buffers and 1024-cube products, five of each (1-3 s). On an
 accelerator they are the card's datasheet peaks (platform/datasheets.yaml by the trainer's device name, or the
 recipe's devices.peak_memory_gb_s / peak_tflops) times the role's cards, the server's cards taken to be the
-trainer's kind. They are written to train/limits.json with the model's shape. Each logged step then gets
+trainer's kind. They are written to train/limits.json with the model's shape and what measuring them cost (`cost`: seconds and
+the process's CPU seconds; the report sets them against the training time). Each logged step then gets
   gauge/generation  the generation's completion tokens/s ÷ the server's decode ceiling for the step's batch
   gauge/optimisation  the optimisation's FLOPs (6 per parameter per completion token) ÷ its seconds ÷ the
                       trainer's GEMM throughput (a lower bound: prompt tokens are not counted)
@@ -21,6 +22,7 @@ here; gauge/optimisation is still logged).
 from __future__ import annotations
 
 import json
+import time
 
 from workbench.platform import limits
 from workbench.recipe import Resolved
@@ -77,12 +79,17 @@ class Gauge:
         roles = {"trainer": training_cores(rr)}
         if not rr.recipe.server.in_process and is_loopback(urlparse(rr.server_url).hostname or ""):
             roles["server"] = list(rr.server.devices)
+        wall, cpu = time.perf_counter(), time.process_time()
         measured = role_limits(rr, roles)
         if measured is None:
             return None
+        # what measuring cost, before the first step (the per-step shares are a few divisions): the report sets it
+        # against the training's time
+        cost = {"seconds": round(time.perf_counter() - wall, 3), "cpu_seconds": round(time.process_time() - cpu, 3)}
         shape = limits.Shape.from_config(model.config.to_dict(), sum(p.numel() for p in model.parameters()),
                                          next(model.parameters()).element_size(), in_flight, decode_context(rr.recipe))
-        write_atomic(train_dir.limits, json.dumps({"shape": shape.__dict__, "limits": measured}, indent=2))
+        write_atomic(train_dir.limits, json.dumps({"shape": shape.__dict__, "limits": measured, "cost": cost},
+                                                  indent=2))
         return cls(shape, measured)
 
     def metrics(self, breakdown: dict[str, float]) -> dict[str, float]:
