@@ -45,6 +45,16 @@ def test_math_verify_equivalences():
     assert rewards.answers_match("12", "13") is False
 
 
+def test_digits_gives_partial_credit_by_place_value():
+    """A dropped carry (176 written 116) keeps two of three digits; a misplaced one (141 written 1410) none."""
+    answers = ["<answer>176</answer>", "<answer>116</answer>", "<answer>76</answer>", "<answer>1760</answer>",
+               "no answer", "<answer>-176</answer>", "<answer>176.5</answer>", "<answer>1,176</answer>"]
+    got = rewards.score("digits", answers, answer=["176"] * len(answers))
+    assert got == [1.0, 2 / 3, 2 / 3, 0.0, 0.0, 0.0, 0.0, 0.75]
+    assert rewards.score("digits", ["<answer>5</answer>"], answer=["1/2"]) == [None]  # not an integer gold
+    assert rewards.score("digits", ["<answer>-9</answer>"], answer=["-19"]) == [0.5]
+
+
 def test_registry_names_and_unknown_reward():
     assert rewards.get("correctness").__name__ == "correctness"
     assert rewards.get("format").__name__ == "format"

@@ -189,6 +189,31 @@ def correctness(prompts, completions, answer=None, **kwargs) -> list[float | Non
     return scores
 
 
+@register("digits")
+def digits(prompts, completions, answer=None, **kwargs) -> list[float | None]:
+    """Partial credit for an integer answer: the share of its digits right in their place (units under units,
+    the shorter number padded with zeros; 0.0 for a wrong sign, no answer or no integer), None without an integer
+    gold. A group whose completions are all wrong has no spread under `correctness`, so it teaches nothing; where
+    its wrong answers differ in how many digits they get right (a carry dropped in one, not in another), this
+    reward still ranks them. The evaluation stays exact: this is a shaping term, weighted below correctness."""
+    golds = answer if answer is not None else [None] * len(completions)
+    scores: list[float | None] = []
+    for completion, gold in zip(completions, golds):
+        g = as_number(str(gold)) if gold is not None else None
+        if g is None or not g.is_integer():
+            scores.append(None)
+            continue
+        predicted = extract_answer(completion_text(completion))
+        p = as_number(predicted) if predicted is not None else None
+        if p is None or not p.is_integer() or (g < 0) != (p < 0):
+            scores.append(0.0)
+            continue
+        a, b = str(abs(int(g))), str(abs(int(p)))
+        width = max(len(a), len(b))
+        scores.append(sum(x == y for x, y in zip(a.zfill(width), b.zfill(width))) / width)
+    return scores
+
+
 @register("format")
 def format_reward(prompts, completions, **kwargs) -> list[float | None]:
     """1.0 when the completion ends with exactly one short <answer>...</answer> and nothing after it."""
