@@ -282,10 +282,10 @@ def _limits(rr: Resolved) -> dict | None:
     """The limits of the server's cores or cards, the trainer's and both (where a path without a server trains):
     measured on the CPU, an accelerator's datasheet peaks (training/gauge.py role_limits)."""
     server, trainer = list(rr.server.devices), list(rr.trainer.devices)
-    if rr.platform == "cpu":
-        return roofline.measure({"server": server, "trainer": trainer, "both": sorted(set(server) | set(trainer))})
-    # a path without a server runs in the trainer process, which sees the trainer's cards only
-    return role_limits(rr, {"server": server, "trainer": trainer, "both": trainer})
+    # a path without a server runs in the trainer process: on the CPU it may use both roles' cores, on an
+    # accelerator it sees the trainer's cards only
+    both = sorted(set(server) | set(trainer)) if rr.platform == "cpu" else trainer
+    return role_limits(rr, {"server": server, "trainer": trainer, "both": both}, megabytes=256)
 
 
 def machine(rr: Resolved) -> dict:

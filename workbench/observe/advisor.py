@@ -14,6 +14,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from workbench.platform import limits
 from workbench.training.drift import KEY as DRIFT_KEY
 from workbench.training.dynamic import PROMPTS_PER_KEPT, UNFILLED, ZERO_SPREAD_GENERATED
 from workbench.training.groups import ZERO_SPREAD_TOP, zero_spread_key
@@ -422,19 +423,19 @@ def far_from_limits(records) -> Finding | None:
     if median >= FAR_FROM_CEILING or waited < GENERATION_BOUND_SHARE:
         return None
     training = _series(records.metrics, "gauge/optimisation")
-    sheet = any(isinstance(v, dict) and "source" in v for v in records.limits.values())
-    unit, gemm = ("cards'", "dense bf16 peak") if sheet else ("cores'", "GEMM throughput")
-    also = f"; the optimisation at {statistics.median(training):.0%} of the trainer {unit} {gemm}" \
+    noun, gemm = limits.basis(records.limits)
+    sheet = noun == "cards"
+    also = f"; the optimisation at {statistics.median(training):.0%} of the trainer {noun}' {gemm}" \
         if training else ""
     where = ("check that the server's cards are not shared with another process" if sheet else
              "check the server's thread binding and core count (devices.server, VLLM_CPU_OMP_THREADS_BIND) and that "
              "nothing else runs on its cores")
     return Finding(
-        "far_from_limits", "warning", f"Rollouts wait on a server that decodes far below its {unit[:-1]}' ceiling",
-        f"the generation ran at {median:.0%} of the server {unit} {'datasheet ' if sheet else ''}decode ceiling "
+        "far_from_limits", "warning", f"Rollouts wait on a server that decodes far below its {noun}' ceiling",
+        f"the generation ran at {median:.0%} of the server {noun}' {'datasheet ' if sheet else ''}decode ceiling "
         f"(median over {len(share)} steps) "
         f"while the trainer waited for rollouts {waited:.0%} of each step{also}",
-        f"the server is not limited by its {unit[:-1]}: decode more sequences at once (more prompts per step, "
+        f"the server is not limited by its {noun}: decode more sequences at once (more prompts per step, "
         f"trainer.num_generations, or rollout.mode: async), {where}")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 
 from workbench.observe import advisor, figures
+from workbench.platform import limits
 from workbench.observe.rundata import RunData
 from workbench.training.drift import KEY as DRIFT_KEY
 from workbench.training.dynamic import PROMPTS_PER_KEPT, UNFILLED, ZERO_SPREAD_GENERATED
@@ -81,10 +82,9 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
             if value is not None:
                 out.append((label, f"{value:.3g}"))
         # training/gauge.py: a CPU's cores measured when training began, or an accelerator's datasheet peaks
-        sheet = any(isinstance(v, dict) and "source" in v for v in data.limits.values())
-        unit, gemm = ("cards'", "dense bf16 peak") if sheet else ("cores'", "GEMM throughput")
-        for key, label in (("gauge/generation", f"generation, share of the server {unit} decode ceiling"),
-                           ("gauge/optimisation", f"optimisation, share of the trainer {unit} {gemm}")):
+        noun, gemm = limits.basis(data.limits)
+        for key, label in (("gauge/generation", f"generation, share of the server {noun}' decode ceiling"),
+                           ("gauge/optimisation", f"optimisation, share of the trainer {noun}' {gemm}")):
             value = avg(rows, key)
             if value is not None:
                 out.append((label, f"{value:.0%}"))

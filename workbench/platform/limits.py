@@ -191,9 +191,10 @@ def datasheet(device: str, memory_gb_s: float | None = None, tflops: float | Non
         return None
     mine = [name for name, value in (("devices.peak_memory_gb_s", memory_gb_s), ("devices.peak_tflops", tflops))
             if value]
-    source = " and ".join(([row["source"]] if len(mine) < 2 else []) + ([f"the recipe's {', '.join(mine)}"]
-                                                                          if mine else []))
-    return Datasheet(device, float(memory), float(compute), source)
+    sources = [row["source"]] if len(mine) < 2 else []  # the table's row gave at least one figure
+    if mine:
+        sources.append(f"the recipe's {', '.join(mine)}")
+    return Datasheet(device, float(memory), float(compute), " and ".join(sources))
 
 
 def from_datasheet(sheet: Datasheet, cards: int) -> dict:
@@ -207,9 +208,20 @@ def from_datasheet(sheet: Datasheet, cards: int) -> dict:
             "gemm": peak(sheet.tflops * 1e3 * cards)}
 
 
+def basis(measured: dict) -> tuple[str, str]:
+    """What one role's limits are, for a sentence: ("cores", "GEMM throughput") when measured on the CPU, ("cards",
+    "dense bf16 peak") when a datasheet's (from_datasheet: they carry their `source`). `measured` may also be
+    limits.json's whole role -> limits mapping: any datasheet role makes it a datasheet's."""
+    roles = measured.values() if "gemm" not in measured else [measured]
+    if any(isinstance(r, dict) and "source" in r for r in roles):
+        return "cards", "dense bf16 peak"
+    return "cores", "GEMM throughput"
+
+
 def owner(role: str, measured: dict) -> str:
     """Whose limits, for a sentence: `the server cores'` (measured) or `the server cards'` (a datasheet's); `both
     cores'` for the two roles' together."""
+    noun = basis(measured)[0]
     if role == "both":
-        return "both roles' cards'" if "source" in measured else "both cores'"
-    return f"the {role} {'cards' if 'source' in measured else 'cores'}'"
+        return "both roles' cards'" if noun == "cards" else "both cores'"
+    return f"the {role} {noun}'"

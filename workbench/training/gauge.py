@@ -45,11 +45,11 @@ def decode_context(recipe) -> float:
     return recipe.data.max_prompt_length + recipe.max_completion_length / 2
 
 
-def role_limits(rr: Resolved, roles: dict[str, list[int]], log=print) -> dict | None:
-    """Each role's limits: measured on its cores (CPU), or its cards' datasheet peaks (an accelerator; None, said
-    once, for a card neither datasheets.yaml nor the recipe gives figures for)."""
+def role_limits(rr: Resolved, roles: dict[str, list[int]], log=print, megabytes: int = 128) -> dict | None:
+    """Each role's limits: measured on its cores with `megabytes` buffers (CPU), or its cards' datasheet peaks (an
+    accelerator; None, said once, for a card neither datasheets.yaml nor the recipe gives figures for)."""
     if rr.platform == "cpu":
-        return limits.measure(roles, megabytes=128)
+        return limits.measure(roles, megabytes=megabytes)
     try:
         name = limits.device_name(rr.platform)
     except Exception as exc:  # a measuring aid must not stop a training
