@@ -92,13 +92,15 @@ def test_a_single_trainer_on_a_gpu_is_gauged_against_its_cards_datasheet(tmp_pat
     breakdown = {"rollout/tokens_per_second": 5000.0, "rollout/completion_tokens": 20000.0,
                  "time/optimisation": 2.0}
     got = gauge.metrics(breakdown)
-    assert got["gauge/generation"] == pytest.approx(5000 / limits.decode_ceiling(gauge.shape, saved["server"])["ceiling"])
+    ceiling = limits.decode_ceiling(gauge.shape, saved["server"])["ceiling"]
+    assert got["gauge/generation"] == pytest.approx(5000 / ceiling)
     assert got["gauge/optimisation"] == pytest.approx(
         6 * gauge.shape.parameters * 20000 / 2.0 / (989e12 * cards["trainer"]))
 
     for step in range(1, 4):
-        append_jsonl(train.metrics, {"step": step, "time": 1e9 + step, "loss": 0.1, "time/step": 1.0, "time/rollout_wait": 0.6,
-                                     "time/generation": 0.6, "gauge/generation": 0.1, "gauge/optimisation": 0.3})
+        append_jsonl(train.metrics, {"step": step, "time": 1e9 + step, "loss": 0.1, "time/step": 1.0,
+                                     "time/rollout_wait": 0.6, "time/generation": 0.6, "gauge/generation": 0.1,
+                                     "gauge/optimisation": 0.3})
     data = rundata.load(train)
     rows = dict(views.summary_rows(data))
     assert rows["generation, share of the server cards' decode ceiling"] == "10%"

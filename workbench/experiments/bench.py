@@ -208,8 +208,9 @@ class Bench:
         if r.generation_tokens_per_second and r.path != "in-process":  # in-process: TRL's generate, not vLLM
             where = self.limits["both" if local else "server"]
             ceiling = roofline.decode_ceiling(shape, where)
+            whose = roofline.owner("both" if local else "server", where)
             parts.append(f"generation at {r.generation_tokens_per_second / ceiling['ceiling']:.0%} of "
-                         f"{roofline.owner('both' if local else 'server', where)} decode ceiling ({ceiling['ceiling']:.0f} "
+                         f"{whose} decode ceiling ({ceiling['ceiling']:.0f} "
                          f"tokens/s for {shape.in_flight} sequences, {ceiling['bound']}-bound: memory "
                          f"{ceiling['memory']:.0f}, compute {ceiling['compute']:.0f})")
         cores = self.limits["both" if local else "trainer"]

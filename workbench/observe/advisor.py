@@ -64,7 +64,7 @@ class RunRecords:
     recipe: dict | None = None
     events: list[dict] = field(default_factory=list)
     canary: list[dict] = field(default_factory=list)
-    limits: dict = field(default_factory=dict)  # the gauge's limits per role (limits.json): a datasheet's carry their source
+    limits: dict = field(default_factory=dict)  # the gauge's limits per role (limits.json; limits.basis)
 
 
 def _series(rows: list[dict], key: str) -> list[float]:

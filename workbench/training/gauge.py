@@ -8,8 +8,8 @@ the server runs on this machine (managed, or attached on a loopback address), on
 read bandwidth and float32 GEMM throughput, 128 MB buffers and 1024-cube products, five of each (1-3 s). On an
 accelerator they are the card's datasheet peaks (platform/datasheets.yaml by the trainer's device name, or the
 recipe's devices.peak_memory_gb_s / peak_tflops) times the role's cards, the server's cards taken to be the
-trainer's kind. They are written to train/limits.json with the model's shape and what measuring them cost (`cost`: seconds and
-the process's CPU seconds; the report sets them against the training time). Each logged step then gets
+trainer's kind. They are written to train/limits.json with the model's shape and what measuring them cost
+(`cost`: seconds and the process's CPU seconds; the report sets them against the training time). Each logged step then gets
   gauge/generation  the generation's completion tokens/s ÷ the server's decode ceiling for the step's batch
   gauge/optimisation  the optimisation's FLOPs (6 per parameter per completion token) ÷ its seconds ÷ the
                       trainer's GEMM throughput (a lower bound: prompt tokens are not counted)
