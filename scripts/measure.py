@@ -153,8 +153,10 @@ def measure_demo(root: Path) -> tuple[str, float, dict]:
 
 def demo_figures(path: Path, seconds: float) -> dict:
     """What a `workbench run` directory says: base and trained accuracy on the evaluated split, stage times, the
-    training's steps, the learning curve and its cost, the signal and the drift."""
+    training's steps, the learning curve and its cost, the signal, the drift, the roofline gauge's mean shares and
+    what monitoring cost."""
     from workbench.observe.rundata import load
+    from workbench.platform import limits
     from workbench.rundir import RunDir
     from workbench.training.drift import KEY as DRIFT
     from workbench.training.groups import ZERO_SPREAD
@@ -177,6 +179,12 @@ def demo_figures(path: Path, seconds: float) -> dict:
     best = max(points, key=lambda p: (p["accuracy"], -p["step"])) if points else None
     drift = [r[DRIFT] for r in rows if isinstance(r.get(DRIFT), (int, float))]
     summary = data.train_summary or {}
+
+    def mean_of(key: str) -> float | None:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return statistics.fmean(values) if values else None
+
+    noun, peak = limits.basis(data.limits) if data.limits else (None, None)
     return {
         "split": base.get("split", "heldout"), "n": base["n"],
         "base_accuracy": base["accuracy_mean"], "trained_accuracy": trained["accuracy_mean"],
@@ -191,6 +199,9 @@ def demo_figures(path: Path, seconds: float) -> dict:
                    "cost_share": sum(curve_cost) / sum(steps) if steps and curve_cost else None} if points else None),
         "groups_with_spread": {"first_fifth": spread_share(rows[:fifth]), "last_fifth": spread_share(rows[-fifth:])},
         "kl_probes": {"max": max(drift), "last": drift[-1]} if drift else None,
+        # training/gauge.py: the training's mean shares of the machine's limits, and what the limits are
+        "gauge": ({"basis": noun, "peak": peak, "generation_share": mean_of("gauge/generation"),
+                   "optimisation_share": mean_of("gauge/optimisation")} if data.limits else None),
         # the monitor's sampler and the roofline gauge, each as a share of one core over the training
         "overhead": {"sampler_core_share": (summary.get("monitor") or {}).get("core_share"),
                      "gauge_cpu_seconds": (data.gauge_cost or {}).get("cpu_seconds"),
@@ -208,8 +219,9 @@ def _bench(root: Path, name: str, sizes: str, paths: str) -> tuple[str, float, d
 
 def bench_figures(path: Path) -> dict:
     """What a `workbench bench` directory says, per path: its median step, its repeats, its ratio to the
-    synchronous server path's step of the same repeat (median and range), its generation rate and push."""
-    from workbench.experiments.bench import Bench
+    synchronous server path's step of the same repeat (median and range), its generation rate and push, and the
+    bench's own lines setting the path against the machine's limits (None where the bench had none)."""
+    from workbench.experiments.bench import Bench, sync_line
     from workbench.rundir import RunDir
 
     bench = Bench.load(RunDir.open(path).bench)
@@ -222,7 +234,10 @@ def bench_figures(path: Path) -> dict:
                         "ratio_to_server": statistics.median(ratios) if ratios else None,
                         "ratio_range": [min(ratios), max(ratios)] if ratios else None,
                         "generation_tokens_per_second": r.generation_tokens_per_second,
-                        "sync_megabytes": r.sync_megabytes, "sync_seconds": r.sync_seconds}
+                        "sync_megabytes": r.sync_megabytes, "sync_seconds": r.sync_seconds,
+                        # the bench's own lines against the machine: the roofline gauge, the push against copying
+                        "gauge": bench.gauge_line(r),
+                        "sync": sync_line(r, bench.machine.get("copy_gbps") or {}) if r.sync_megabytes and r.sync_seconds else None}
     return {"size": size, "parameters": (bench.sizes.get(size) or {}).get("parameters"), "repeats": bench.repeats,
             "steps": bench.steps, "paths": rows}
 
@@ -441,6 +456,12 @@ def results_page(results: dict[str, dict]) -> str:
         if f.get("kl_probes"):
             out.append(f"| KL from the start on the probes (nats/token) | max {f['kl_probes']['max']:.3g}, last "
                        f"{f['kl_probes']['last']:.3g} |")
+        g = f.get("gauge") or {}
+        if g.get("generation_share") is not None and g.get("optimisation_share") is not None:
+            out.append(f"| against the machine's limits (mean over the steps) | generation at "
+                       f"{g['generation_share']:.0%} of the server {g['basis']}' decode ceiling, optimisation at "
+                       f"{g['optimisation_share']:.0%} of the trainer {g['basis']}' {g['peak']} (completion tokens "
+                       "only: a lower bound) |")
         o = f.get("overhead") or {}
         if o.get("sampler_core_share") is not None and o.get("gauge_core_share") is not None:
             out.append(f"| monitoring's cost (share of one core over the training) | the sampler "
@@ -468,6 +489,10 @@ def results_page(results: dict[str, dict]) -> str:
                        + ", ".join(f"{x:.2f}" for x in p["step_seconds_repeats"])
                        + f" | {ratio} | {gen} | {p['sync_megabytes']:.1f} | {p['sync_seconds']:.3f} |")
         out.append("")
+        against = [line for p in f["paths"].values() for line in (p.get("gauge"), p.get("sync")) if line]
+        if against:  # the bench's own lines (workbench/experiments/bench.py), of each path's median repeat
+            out += ["Against the machine's limits (each path's median repeat):", "",
+                    *(f"- {line.strip()}" for line in against), ""]
     reload_ = results.get("reload")
     if reload_:
         f = reload_["figures"]

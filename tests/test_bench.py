@@ -239,3 +239,14 @@ def test_measure_reads_the_bench_figures(bench_run):
         else:
             assert row["ratio_to_server"] == pytest.approx(row["step_seconds"] / server)
             assert row["ratio_range"] == [row["ratio_to_server"]] * 2
+        # the bench's own lines against the machine travel verbatim, and the results page shows them
+        median = result.result("tiny", path)
+        assert row["gauge"] == result.gauge_line(median) and "optimisation at" in row["gauge"]
+        assert (row["sync"] is None) == (path == "in-process")
+        if row["sync"]:
+            assert "of the machine's copy bandwidth" in row["sync"]
+    record = {"command": "workbench bench", "commit": "0" * 40, "date": "d", "machine": {"summary": "a box"},
+              "versions": {}, "seconds": 60.0, "figures": figures}
+    page = script("measure").results_page({"bench": record})
+    assert all(f"- {row['gauge']}" in page for row in figures["paths"].values())
+    assert f"- {figures['paths']['server']['sync']}" in page

@@ -294,3 +294,13 @@ def test_measure_reads_a_runs_figures(pipeline_run):
     assert overhead["sampler_core_share"] == summary["monitor"]["core_share"] > 0
     assert overhead["gauge_cpu_seconds"] == cost["cpu_seconds"] > 0
     assert overhead["gauge_core_share"] == cost["cpu_seconds"] / summary["train_seconds"]
+    # the roofline gauge's mean shares over the steps, against the cores the training measured
+    logged = [json.loads(line) for line in train.metrics.read_text().splitlines() if line.strip()]
+    generation = [r["gauge/generation"] for r in logged if isinstance(r.get("gauge/generation"), (int, float))]
+    gauge = figures["gauge"]
+    assert generation and gauge["generation_share"] == pytest.approx(sum(generation) / len(generation))
+    assert gauge["basis"] == "cores" and gauge["peak"] == "GEMM throughput" and gauge["optimisation_share"] > 0
+    page = script("measure").results_page({"demo": {"command": "workbench run", "commit": "0" * 40, "date": "d",
+                                                    "machine": {"summary": "a box"}, "versions": {}, "seconds": 600.0,
+                                                    "figures": figures}})
+    assert f"generation at {gauge['generation_share']:.0%} of the server cores' decode ceiling" in page
