@@ -373,9 +373,13 @@ def short(commit: str) -> str:
 
 
 def curve_text(curve: dict) -> tuple[str, str]:
-    """The learning curve as 'start → best (step) → last (step)', and its cost as a share of the step time."""
-    path = (f"{pct(curve['start'])} → best {pct(curve['best'])} (step {curve['best_step']}) → {pct(curve['last'])} "
-            f"(step {curve['last_step']})")
+    """The learning curve as 'start → best (step) → last (step)' ('start → best at the last step (step)' when the
+    last point is the best), and its cost as a share of the step time."""
+    if curve["best_step"] == curve["last_step"]:
+        path = f"{pct(curve['start'])} → best {pct(curve['best'])} at the last point (step {curve['last_step']})"
+    else:
+        path = (f"{pct(curve['start'])} → best {pct(curve['best'])} (step {curve['best_step']}) → "
+                f"{pct(curve['last'])} (step {curve['last_step']})")
     return path, f"{curve['cost_share']:.1%}" if curve.get("cost_share") is not None else ""
 
 

@@ -152,3 +152,11 @@ def test_the_reloads_parts_are_timed_inside_vllms_own_reload_in_the_servers_envi
     page = measure.results_page(results)
     assert all(f"| {what} | {m[key]:.3f} |" in page for key, what in measure.RELOAD_PARTS)
     assert f"**{m['reload']:.3f}**" in page
+
+
+def test_the_curve_names_its_best_and_its_last_point():
+    """The results page's learning curve: the best point and the last, said once when they are the same point."""
+    curve = {"start": 0.55, "best": 0.71, "best_step": 300, "last": 0.71, "last_step": 300, "cost_share": 0.033}
+    assert measure.curve_text(curve) == ("55.0% → best 71.0% at the last point (step 300)", "3.3%")
+    earlier = {**curve, "best": 0.69, "best_step": 200, "last": 0.67, "last_step": 250, "cost_share": None}
+    assert measure.curve_text(earlier) == ("55.0% → best 69.0% (step 200) → 67.0% (step 250)", "")
