@@ -237,7 +237,8 @@ def bench_figures(path: Path) -> dict:
                         "sync_megabytes": r.sync_megabytes, "sync_seconds": r.sync_seconds,
                         # the bench's own lines against the machine: the roofline gauge, the push against copying
                         "gauge": bench.gauge_line(r),
-                        "sync": sync_line(r, bench.machine.get("copy_gbps") or {}) if r.sync_megabytes and r.sync_seconds else None}
+                        "sync": (sync_line(r, bench.machine.get("copy_gbps") or {})
+                                 if r.sync_megabytes and r.sync_seconds else None)}
     return {"size": size, "parameters": (bench.sizes.get(size) or {}).get("parameters"), "repeats": bench.repeats,
             "steps": bench.steps, "paths": rows}
 
