@@ -3,8 +3,10 @@
     make measure                                  # python scripts/measure.py --quick: the demo and the tiny bench
     MEASURE=--full make measure                   # + the bench at ~100M, its reload part by part
                                                   #   (scripts/reload_parts.py), the protocol over 3 bases x 3 seeds,
-                                                  #   make test
-    python scripts/measure.py --only bench        # one measurement (demo, bench, bench-100m, reload, protocol, suite)
+                                                  #   the recipe against dynamic sampling and the digits reward
+                                                  #   (variants: 3 bases x 1 seed each), make test
+    python scripts/measure.py --only bench        # one measurement (demo, bench, bench-100m, reload, protocol,
+                                                  #   variants, suite)
     python scripts/measure.py --suite JUNIT.xml --commit SHA   # the suite's timing, from `make test`'s JUnit XML
     python scripts/measure.py --render            # docs/results.md and the README's block, from the files alone
 
@@ -46,6 +48,11 @@ DEMO_RECIPE = "cpu-tiny-async"  # what `make demo` runs
 BENCH_RECIPE = "cpu-tiny"
 PROTOCOL_DATA_SEEDS = "0,1,2"
 PROTOCOL_SEEDS = "1,2,3"
+# The demo's recipe against its levers, every arm trained and scored on test over the 3 bases with one training
+# seed. Dynamic sampling spends more generation per step, so its arm trains fewer steps, to about the plain arm's
+# generated tokens (docs/async-and-bench.md); the digits weight is the one validation preferred (docs/recipes.md).
+VARIANT_SEEDS = "1"
+VARIANTS = ["dynamic: rollout.dynamic_sampling=true trainer.max_steps=180", "digits: rewards.digits=0.5"]
 
 # What each measurement's figures depend on: a commit touching one of these after the measured commit makes the
 # file stale (tests/test_results.py). The notebooks `workbench run` executes are package data (workbench/notebooks).
@@ -54,11 +61,12 @@ MEASURED = {
     "bench": ["workbench", "pyproject.toml"],
     "bench-100m": ["workbench", "pyproject.toml"],
     "protocol": ["workbench", "pyproject.toml"],
+    "variants": ["workbench", "pyproject.toml"],
     "reload": ["workbench", "pyproject.toml", "scripts/reload_parts.py"],
     "suite": ["workbench", "tests", "pyproject.toml", "Makefile"],  # exempt from freshness (see above)
 }
 QUICK = ["demo", "bench"]
-FULL = ["demo", "bench", "bench-100m", "reload", "protocol", "suite"]
+FULL = ["demo", "bench", "bench-100m", "reload", "protocol", "variants", "suite"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -260,6 +268,43 @@ def measure_protocol(root: Path) -> tuple[str, float, dict]:
     return " ".join(["workbench", *args[:-1]]), seconds, protocol_figures(only_dir(root / "protocol", "*-protocol"))
 
 
+def measure_variants(root: Path) -> tuple[str, float, dict]:
+    """The demo's recipe beside each of VARIANTS, all reported on test (the plain arm is the recipe itself)."""
+    args = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", PROTOCOL_DATA_SEEDS,
+            "--seeds", VARIANT_SEEDS]
+    for v in VARIANTS:
+        args += ["--candidate", v]
+    seconds = workbench([*args, f"monitor.runs_dir={root / 'variants'}"], root / "variants.log")
+    command = " ".join(["workbench", *(f'"{a}"' if " " in a else a for a in args)])
+    return command, seconds, variants_figures(only_dir(root / "variants", "*-protocol"))
+
+
+def variants_figures(path: Path) -> dict:
+    """Each reported arm's protocol figures (protocol_figures), its overrides, its mean generated tokens and shares
+    of groups with reward spread (trained, generated), in the order the protocol lists them."""
+    from workbench.experiments.protocol import Protocol
+    from workbench.rundir import RunDir
+
+    result = Protocol.from_json(json.loads(RunDir.open(path).protocol.json.read_text()))
+    if not result.report_all or len(result.reported) < 2:
+        raise SystemExit(f"measure: {path} is not a protocol with --report-all over two or more settings")
+    arms = []
+    for c in result.candidates:
+        test = [o for o in result.test if o.candidate == c.name]
+        if not test:
+            raise SystemExit(f"measure: {path} has no test result for {c.name}: the protocol did not finish")
+
+        def mean(values: list) -> float | None:
+            values = [v for v in values if v is not None]
+            return statistics.fmean(values) if values else None
+
+        arms.append({"name": c.name, "overrides": c.overrides, **protocol_figures(path, c.name),
+                     "generated_tokens": mean([o.generated_tokens for o in test]),
+                     "signal": mean([o.signal for o in test]),
+                     "signal_generated": mean([o.signal_generated for o in test])})
+    return {"arms": arms}
+
+
 RELOAD_COMMAND = ["scripts/reload_parts.py", "--size", "100m", "--reloads", "5"]
 
 
@@ -299,17 +344,18 @@ def training_curve(run: Path) -> dict | None:
             "points": [[p["step"], p["accuracy"]] for p in points]}
 
 
-def protocol_figures(path: Path) -> dict:
-    """What a `workbench protocol` directory says: the chosen (or the only reported) setting's test gain, mean and
-    sample std over every (base, seed) training, each training's gain, per base its mean and its base accuracy."""
+def protocol_figures(path: Path, name: str | None = None) -> dict:
+    """What a `workbench protocol` directory says of setting `name` (default: the chosen, or the only reported one):
+    its test gain, mean and sample std over every (base, seed) training, each training's gain, per base its mean and
+    its base accuracy."""
     from workbench.experiments.protocol import Protocol
     from workbench.rundir import RunDir
 
     result = Protocol.from_json(json.loads(RunDir.open(path).protocol.json.read_text()))
-    gains = [g * 100 for g in result.gains()]
     if not (result.chosen or result.reported):
         raise SystemExit(f"measure: {path} has no chosen or reported setting: the protocol did not finish")
-    name = result.chosen or result.reported[0]
+    name = name or result.chosen or result.reported[0]
+    gains = [g * 100 for g in result.gains(name)]
     test = [o for o in result.test if o.candidate == name]
     figures = {"setting": name,
                "gains": [{"data_seed": o.data_seed, "seed": o.seed, "gain": o.gain * 100, "base": o.base,
@@ -318,9 +364,9 @@ def protocol_figures(path: Path) -> dict:
                          for o in test],
                "gain_mean": statistics.fmean(gains), "gain_std": statistics.stdev(gains) if len(gains) > 1 else None,
                "trainings": len(gains), "data_seeds": result.data_seeds, "seeds": result.seeds,
-               "base_means": {str(d): g for d, g in result.base_means().items()},
+               "base_means": {str(d): g for d, g in result.base_means(name).items()},
                "base_accuracy": {str(o.data_seed): o.base for o in test},
-               "headline": result.headline()}
+               "headline": result.headline(name)}
     return figures
 
 
@@ -338,7 +384,7 @@ def measure_suite(root: Path) -> tuple[str, float, dict]:
 
 
 MEASURES = {"demo": measure_demo, "bench": measure_bench, "bench-100m": measure_bench_100m,
-            "protocol": measure_protocol, "reload": measure_reload, "suite": measure_suite}
+            "protocol": measure_protocol, "variants": measure_variants, "reload": measure_reload, "suite": measure_suite}
 
 
 def suite_figures(junit: Path) -> dict:
