@@ -572,24 +572,38 @@ def results_page(results: dict[str, dict]) -> str:
         for d, g in f["base_means"].items():
             out.append(f"| {d} | {pct(f['base_accuracy'].get(d))} | {g:+.1f} |")
         out.append("")
-        trainings = f.get("gains") or []
-        curves = [t["curve"] for t in trainings if t.get("curve")]
-        if trainings:
-            what = (f"; the learning curve: the served weights on {curves[0]['n']} {curves[0]['split']} problems at "
-                    "each step shown" if curves else "")
-            steps = sorted({s for c in curves for s, _ in c["points"]})
-            out += [f"Each training (test split{what}):", "",
-                    "| base | seed | test: base → trained | gain | groups with spread | "
-                    + " | ".join(f"step {s}" for s in steps) + " |",
-                    "|---|---|---|---|---|" + "---|" * len(steps)]
-            for t in trainings:
-                at = dict((s, a) for s, a in (t["curve"] or {}).get("points", []))
-                out.append(f"| {t['data_seed']} | {t['seed']} | {pct(t['base'])} → {pct(t['trained'])} | "
-                           f"{t['gain']:+.1f} | {pct(t.get('signal'))} | "
-                           + " | ".join(pct(at.get(s)) for s in steps) + " |")
-            out.append("")
+        out += trainings_table([("", t) for t in f.get("gains") or []])
     else:
         out += ["Not measured on this code: `MEASURE=--full make measure` runs it (hours on two cores).", ""]
+    variants = results.get("variants")
+    out += ["## The recipe against dynamic sampling and the digits reward", ""]
+    if variants:
+        arms = variants["figures"]["arms"]
+        plain = arms[0]
+        out += head("", variants)[2:]
+        out += [f"Every arm trained afresh on each of {len(plain['data_seeds']) or 1} base model(s) with training "
+                f"seed(s) {', '.join(map(str, plain['seeds']))}, scored on the test split; gains are mean ± sample "
+                "std over those trainings. Completion tokens are what a training generated (refills included).", "",
+                "| arm | overrides | test: base → trained | gain (points) | per base | completion tokens per "
+                "training | gain per 100k tokens | groups with spread (trained / generated) |",
+                "|---|---|---|---|---|---|---|---|"]
+        for a in arms:
+            base = statistics.fmean(t["base"] for t in a["gains"])
+            trained = statistics.fmean(t["trained"] for t in a["gains"])
+            spread = f" ± {a['gain_std']:.1f}" if a.get("gain_std") is not None else ""
+            tokens = a.get("generated_tokens")
+            ratio = f" ({tokens / plain['generated_tokens']:.2f}×)" if tokens and a is not plain else ""
+            per = f"{a['gain_mean'] / tokens * 1e5:+.2f}" if tokens else "—"
+            out.append(f"| {a['name']} | `{' '.join(a['overrides']) or '(as the recipe)'}` | {pct(base)} → "
+                       f"{pct(trained)} | {a['gain_mean']:+.1f}{spread} | "
+                       + ", ".join(f"{d}: {g:+.1f}" for d, g in a["base_means"].items())
+                       + f" | {f'{tokens:,.0f}' if tokens else '—'}{ratio} | {per} | {pct(a.get('signal'))} / "
+                       f"{pct(a.get('signal_generated'))} |")
+        out.append("")
+        out += trainings_table([(a["name"], t) for a in arms for t in a["gains"]])
+    else:
+        out += ["Not measured on this code: `python scripts/measure.py --only variants` runs it (about 1.5 h on two "
+                "cores).", ""]
     suite = results.get("suite")
     out += ["## The test suite", ""]
     if suite:
@@ -601,6 +615,27 @@ def results_page(results: dict[str, dict]) -> str:
     else:
         out += ["Not recorded yet: `python scripts/measure.py --suite JUNIT.xml` after `make test`.", ""]
     return "\n".join(out)
+
+
+def trainings_table(trainings: list[tuple[str, dict]]) -> list[str]:
+    """One row per (arm, training): its base, seed, test result, share of groups with spread and learning curve."""
+    if not trainings:
+        return []
+    arm = any(name for name, _ in trainings)
+    curves = [t["curve"] for _, t in trainings if t.get("curve")]
+    what = (f"; the learning curve: the served weights on {curves[0]['n']} {curves[0]['split']} problems at "
+            "each step shown" if curves else "")
+    steps = sorted({s for c in curves for s, _ in c["points"]})
+    out = [f"Each training (test split{what}):", "",
+           ("| arm " if arm else "") + "| base | seed | test: base → trained | gain | groups with spread |"
+           + "".join(f" step {s} |" for s in steps),
+           ("|---" if arm else "") + "|---|---|---|---|---|" + "---|" * len(steps)]
+    for name, t in trainings:
+        at = dict((s, a) for s, a in (t["curve"] or {}).get("points", []))
+        out.append((f"| {name} " if arm else "") + f"| {t['data_seed']} | {t['seed']} | {pct(t['base'])} → "
+                   f"{pct(t['trained'])} | {t['gain']:+.1f} | {pct(t.get('signal'))} |"
+                   + "".join(f" {pct(at.get(s))} |" for s in steps))
+    return out + [""]
 
 
 def with_block(readme: str, block: str) -> str:

@@ -362,8 +362,8 @@ def test_over_base_models_each_gain_against_its_own_base_and_every_candidate_hea
     assert Protocol.from_json(json.loads(json.dumps(result.to_json()))) == result
 
     calls.clear()
-    result, _ = protocol.run("smoke", [dynamic], 0, [1, 2], [f"monitor.runs_dir={tmp_path / 'both'}"],
-                             log=lambda *_: None, report_all=True)
+    result, run = protocol.run("smoke", [dynamic], 0, [1, 2], [f"monitor.runs_dir={tmp_path / 'both'}"],
+                               log=lambda *_: None, report_all=True)
     assert [a[-1].rsplit("/", 1)[1] for a in calls] == ["c0-seed1-heldout", "c1-seed1-heldout", "c0-seed2-heldout",
                                                         "c1-seed2-heldout"]  # nothing on validation
     assert result.chosen is None and result.validation == [] and result.picked == []
@@ -374,6 +374,24 @@ def test_over_base_models_each_gain_against_its_own_base_and_every_candidate_hea
     assert result.headline("dynamic") in table and result.headline("recipe") in table
     assert "1,501 completion tokens generated per training" in result.headline("recipe")  # seeds 1 and 2
     assert set(result.to_json()["by_candidate"]) == {"recipe", "dynamic"}
+
+    # what scripts/measure.py keeps of it (docs/results/variants.json) and renders: every arm, head to head
+    measure = script("measure")
+    figures = measure.variants_figures(run.path)
+    recipe, dyn = figures["arms"]
+    assert (recipe["name"], recipe["overrides"], dyn["name"], dyn["overrides"]) == (
+        "recipe", [], "dynamic", ["rollout.dynamic_sampling=true"])
+    assert recipe["gain_mean"] == pytest.approx(10.0) and dyn["gain_mean"] == pytest.approx(15.0)
+    assert dyn["generated_tokens"] == recipe["generated_tokens"] == 1501
+    assert dyn["headline"] == result.headline("dynamic")
+    record = {"command": "workbench protocol", "commit": "0" * 40, "date": "2026-12-04 00:00 UTC", "seconds": 60.0,
+              "machine": {"summary": "a machine"}, "versions": {}, "figures": figures}
+    page = measure.results_page({"variants": record})
+    assert ("| dynamic | `rollout.dynamic_sampling=true` | 50.0% → 65.0% | +15.0 ± 0.0 | None: +15.0 "
+            "| 1,501 (1.00×) | +999.33 |") in page
+    assert "| dynamic | None | 2 | 50.0% → 65.0% | +15.0 |" in page  # each training
+    with pytest.raises(SystemExit, match="two or more settings"):  # the run above chose one: nothing head to head
+        measure.variants_figures(measure.only_dir(tmp_path / "bases", "*-protocol"))
 
 
 @pytest.mark.parametrize("extra, message", [
