@@ -467,6 +467,21 @@ def readme_block(results: dict[str, dict]) -> str:
                      f"{len(f['seeds'])} training seeds (`workbench protocol`, {protocol['date'][:10]}): test gain "
                      f"**{f['gain_mean']:+.1f}{spread} points**{span}. `make demo` trains base 0 with training seed "
                      "0: compare it with base 0's trainings in docs/results.md.")
+    variants = results.get("variants")
+    if variants:
+        plain, *others = variants["figures"]["arms"]
+
+        def gain(a: dict) -> str:
+            return f"{a['gain_mean']:+.1f}" + (f" ± {a['gain_std']:.1f}" if a.get("gain_std") is not None else "")
+
+        def tokens(a: dict) -> str:
+            return (f" at {a['generated_tokens'] / plain['generated_tokens']:.2f}× its completion tokens"
+                    if a.get("generated_tokens") and plain.get("generated_tokens") else "")
+
+        lines.append(f"Head to head on the same {len(plain['data_seeds']) or 1} base model(s), training seed(s) "
+                     f"{', '.join(map(str, plain['seeds']))} ({variants['date'][:10]}): the recipe {gain(plain)} "
+                     "points; " + "; ".join(f"{a['name']} (`{' '.join(a['overrides'])}`) {gain(a)}{tokens(a)}"
+                                             for a in others) + ".")
     if len(lines) == 1:
         lines.append("No figure is measured on this code yet: `make measure` writes them.")
     lines.append("Every figure, its machine and its command: [docs/results.md](docs/results.md).")

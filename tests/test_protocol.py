@@ -390,6 +390,8 @@ def test_over_base_models_each_gain_against_its_own_base_and_every_candidate_hea
     assert ("| dynamic | `rollout.dynamic_sampling=true` | 50.0% → 65.0% | +15.0 ± 0.0 | None: +15.0 "
             "| 1,501 (1.00×) | +999.33 |") in page
     assert "| dynamic | None | 2 | 50.0% → 65.0% | +15.0 |" in page  # each training
+    assert ("the recipe +10.0 ± 0.0 points; dynamic (`rollout.dynamic_sampling=true`) +15.0 ± 0.0 at 1.00× its "
+            "completion tokens.") in measure.readme_block({"variants": record})
     with pytest.raises(SystemExit, match="two or more settings"):  # the run above chose one: nothing head to head
         measure.variants_figures(measure.only_dir(tmp_path / "bases", "*-protocol"))
 
