@@ -40,7 +40,8 @@ demo: $(STAMP)
 # every figure the README and docs/results.md state, measured again on the current commit (scripts/measure.py):
 # --quick (the default) the demo and the bench on the demo's model, about 15 minutes on 2 cores; MEASURE=--full adds
 # the bench at ~100M parameters (~15 min), the reload part by part (~1 min), the protocol over three base models and
-# three seeds (~90 min) and the suite; MEASURE='--only NAME' measures one of them
+# three seeds (~90 min), the recipe against dynamic sampling and the digits reward over the three bases (~80 min)
+# and the suite; MEASURE='--only NAME' measures one of them
 MEASURE ?= --quick
 measure: $(STAMP)
 	$(PY) scripts/measure.py $(MEASURE)

@@ -387,11 +387,11 @@ def test_over_base_models_each_gain_against_its_own_base_and_every_candidate_hea
     record = {"command": "workbench protocol", "commit": "0" * 40, "date": "2026-12-04 00:00 UTC", "seconds": 60.0,
               "machine": {"summary": "a machine"}, "versions": {}, "figures": figures}
     page = measure.results_page({"variants": record})
-    assert ("| dynamic | `rollout.dynamic_sampling=true` | 50.0% → 65.0% | +15.0 ± 0.0 | None: +15.0 "
+    assert ("| dynamic | `rollout.dynamic_sampling=true` | 50.0% → 65.0% | +15.0 ± 0.0 | —: +15.0 "
             "| 1,501 (1.00×) | +999.33 |") in page
-    assert "| dynamic | None | 2 | 50.0% → 65.0% | +15.0 |" in page  # each training
-    assert ("the recipe +10.0 ± 0.0 points; dynamic (`rollout.dynamic_sampling=true`) +15.0 ± 0.0 at 1.00× its "
-            "completion tokens.") in measure.readme_block({"variants": record})
+    assert "| dynamic | — | 2 | 50.0% → 65.0% | +15.0 |" in page  # each training (the recipe's own base)
+    assert ("test gain in points: the demo's recipe +10.0 ± 0.0; dynamic (`rollout.dynamic_sampling=true`) +15.0 "
+            "± 0.0 at 1.00× the recipe's completion tokens.") in measure.readme_block({"variants": record})
     with pytest.raises(SystemExit, match="two or more settings"):  # the run above chose one: nothing head to head
         measure.variants_figures(measure.only_dir(tmp_path / "bases", "*-protocol"))
 

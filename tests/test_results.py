@@ -57,6 +57,16 @@ def test_every_results_file_measured_this_history_and_its_code_has_not_changed_s
     assert not stale, "results older than the code they measure: " + "; ".join(stale) + " - run `make measure`"
 
 
+def test_a_protocol_results_file_ran_the_settings_its_measurement_runs_now():
+    """The protocol's seeds and the variants' arms live in scripts/measure.py, not in the code MEASURED names: a
+    changed setting must stale the file as a code change does."""
+    results = measure.load_results()
+    for name, args in (("protocol", measure.PROTOCOL_ARGS), ("variants", measure.VARIANTS_ARGS)):
+        if name in results:
+            assert results[name]["command"] == measure.command_line(args), \
+                f"docs/results/{name}.json ran other settings than scripts/measure.py has now: run `make measure`"
+
+
 # A measured-looking figure: a percentage, a duration, a ratio, a spread, a points gain, a speed.
 FIGURE = re.compile(r"\d+(?:\.\d+)?\s?(?:%|min\b|minutes\b|seconds\b|s\b(?![-_])|×|points\b|tok(?:ens)?/s\b|GB/s\b)"
                     r"|±\s?\d|\b\d+ passed\b", re.I)
