@@ -261,10 +261,9 @@ def measure_bench_100m(root: Path) -> tuple[str, float, dict]:
 
 # --report-all: the demo's recipe is the setting measured, fixed beforehand; with no other candidate there is
 # nothing to choose, so no training on the validation split (9 trainings instead of 12)
-PROTOCOL_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", PROTOCOL_DATA_SEEDS,
-                 "--seeds", PROTOCOL_SEEDS]
-VARIANTS_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", PROTOCOL_DATA_SEEDS,
-                 "--seeds", VARIANT_SEEDS, *(a for v in VARIANTS for a in ("--candidate", v))]
+_OVER_BASES = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", PROTOCOL_DATA_SEEDS]
+PROTOCOL_ARGS = [*_OVER_BASES, "--seeds", PROTOCOL_SEEDS]
+VARIANTS_ARGS = [*_OVER_BASES, "--seeds", VARIANT_SEEDS, *(a for v in VARIANTS for a in ("--candidate", v))]
 
 
 def command_line(args: list[str]) -> str:
@@ -287,23 +286,20 @@ def measure_variants(root: Path) -> tuple[str, float, dict]:
 def variants_figures(path: Path) -> dict:
     """Each reported arm's protocol figures (protocol_figures), its overrides, its mean generated tokens and shares
     of groups with reward spread (trained, generated), in the order the protocol lists them."""
-    from workbench.experiments.protocol import Protocol
-    from workbench.rundir import RunDir
-
-    result = Protocol.from_json(json.loads(RunDir.open(path).protocol.json.read_text()))
+    result = load_protocol(path)
     if not result.report_all or len(result.reported) < 2:
         raise SystemExit(f"measure: {path} is not a protocol with --report-all over two or more settings")
+
+    def mean(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.fmean(values) if values else None
+
     arms = []
     for c in result.candidates:
         test = [o for o in result.test if o.candidate == c.name]
         if not test:
             raise SystemExit(f"measure: {path} has no test result for {c.name}: the protocol did not finish")
-
-        def mean(values: list) -> float | None:
-            values = [v for v in values if v is not None]
-            return statistics.fmean(values) if values else None
-
-        arms.append({"name": c.name, "overrides": c.overrides, **protocol_figures(path, c.name),
+        arms.append({"name": c.name, "overrides": c.overrides, **protocol_figures(path, c.name, result),
                      "generated_tokens": mean([o.generated_tokens for o in test]),
                      "signal": mean([o.signal for o in test]),
                      "signal_generated": mean([o.signal_generated for o in test])})
@@ -349,14 +345,19 @@ def training_curve(run: Path) -> dict | None:
             "points": [[p["step"], p["accuracy"]] for p in points]}
 
 
-def protocol_figures(path: Path, name: str | None = None) -> dict:
-    """What a `workbench protocol` directory says of setting `name` (default: the chosen, or the only reported one):
-    its test gain, mean and sample std over every (base, seed) training, each training's gain, per base its mean and
-    its base accuracy."""
+def load_protocol(path: Path):
+    """The Protocol a `workbench protocol` directory recorded."""
     from workbench.experiments.protocol import Protocol
     from workbench.rundir import RunDir
 
-    result = Protocol.from_json(json.loads(RunDir.open(path).protocol.json.read_text()))
+    return Protocol.from_json(json.loads(RunDir.open(path).protocol.json.read_text()))
+
+
+def protocol_figures(path: Path, name: str | None = None, result=None) -> dict:
+    """What a `workbench protocol` directory says of setting `name` (default: the chosen, or the only reported one):
+    its test gain, mean and sample std over every (base, seed) training, each training's gain, per base its mean and
+    its base accuracy. `result`: the directory's Protocol, when the caller has loaded it already."""
+    result = result or load_protocol(path)
     if not (result.chosen or result.reported):
         raise SystemExit(f"measure: {path} has no chosen or reported setting: the protocol did not finish")
     name = name or result.chosen or result.reported[0]
