@@ -28,6 +28,7 @@ CASES: list[tuple[list[str], str]] = [
     (TRAIN + ["trainer.num_generations=1"], "trainer.num_generations is 1"),
     (TRAIN + ["trainer.learning_rate=-1e-5"], "trainer.learning_rate is -1e-05"),
     (TRAIN + ["trainer.learnin_rate=1e-5"], "did you mean 'learning_rate'"),
+    (TRAIN + ["trainer.generation_kwargs={seed: 3}"], "trainer.generation_kwargs.seed would sample every step"),
     (TRAIN + ["trainer.use_vllm=true"], "trainer.use_vllm is derived by the workbench"),
     (TRAIN + ["trainer.per_device_train_batch_size=3"], "divisible by num_generations"),
     (TRAIN + ["trainer.generation_batch_size=5", "trainer.per_device_train_batch_size=2"], "generation_batch_size"),

@@ -121,10 +121,7 @@ def counted(prompts, completions, log_path="", trainer_state=None, **kwargs):
 """
 
 
-@pytest.fixture(scope="module")
-def dynamic_run(tmp_path_factory, tiny_server, server_rr, tiny_model_dir):
-    """`workbench train --recipe smoke` with dynamic sampling in async mode, attached to the session's server:
-    4 prompts x 4 completions a step, 4 steps, every group recorded."""
+def train_dynamic(tmp_path_factory, tiny_server, server_rr, tiny_model_dir):
     project = tmp_path_factory.mktemp("dynamic")
     (project / "counting.py").write_text(COUNTING)
     runs = project / "runs"
@@ -141,6 +138,13 @@ def dynamic_run(tmp_path_factory, tiny_server, server_rr, tiny_model_dir):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (path,) = runs.glob("*-smoke-train")
     return RunDir.open(path), project / "scored.txt"
+
+
+@pytest.fixture(scope="module")
+def dynamic_run(tmp_path_factory, tiny_server, server_rr, tiny_model_dir):
+    """`workbench train --recipe smoke` with dynamic sampling in async mode, attached to the session's server:
+    4 prompts x 4 completions a step, 4 steps, every group recorded."""
+    return train_dynamic(tmp_path_factory, tiny_server, server_rr, tiny_model_dir)
 
 
 def test_the_batch_that_trains_has_spread_where_the_generated_one_had_none(dynamic_run):
@@ -181,3 +185,20 @@ def test_refills_do_not_take_the_early_batch_in_async_mode(dynamic_run, tiny_mod
     assert summary["refill_prompts"] == sum(r[dynamic.EXTRA_PROMPTS] for r in rows) > 0
     served = next(c for c in smoke.verify(run.train, tiny_model_dir).checks if c.name == "server served the rollouts")
     assert served.ok, served.detail
+
+
+def test_the_same_seeds_train_the_same_batches_again(dynamic_run, tmp_path_factory, tiny_server, server_rr,
+                                                     tiny_model_dir):
+    """The same training again, on the same server after whatever it served since: every generation path (the
+    first batch at its step, the early batches, the refills' rounds) samples the same completions, so every step
+    records the same groups and trains to the same loss (workbench/training/seeding.py)."""
+    first = dynamic_run[0]
+    again = train_dynamic(tmp_path_factory, tiny_server, server_rr, tiny_model_dir)[0]
+    rows = [[r for r in read_jsonl(run.train.metrics) if "loss" in r] for run in (first, again)]
+    assert [r["step"] for r in rows[1]] == list(range(1, STEPS + 1))
+    assert sum(r[dynamic.EXTRA_PROMPTS] for r in rows[0]) > 0  # the refills' seeds were among those compared
+    for key in ("loss", "reward", "grad_norm", dynamic.EXTRA_PROMPTS, "rollout/completion_tokens"):
+        assert [r[key] for r in rows[1]] == [r[key] for r in rows[0]], key
+    for step in range(1, STEPS + 1):
+        recorded = [pd.read_parquet(run.train.group_file(step)) for run in (first, again)]
+        pd.testing.assert_frame_equal(recorded[1], recorded[0], check_exact=True)

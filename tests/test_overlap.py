@@ -6,6 +6,8 @@ import time
 import types
 
 from workbench.training.overlap import Ahead
+from workbench.training.seeding import prompt_seeds
+from workbench.training.trainer import _SyncingVLLMGeneration
 
 
 class Client:
@@ -26,10 +28,12 @@ class Client:
 
 def generation(client: Client, step: list[int]):
     accelerator = types.SimpleNamespace(is_main_process=True, process_index=0)
-    return types.SimpleNamespace(
+    fake = types.SimpleNamespace(
         accelerator=accelerator, vllm_client=client, step=lambda: step[0], repetition_penalty=1.0, temperature=1.0,
         top_p=1.0, top_k=0, min_p=None, max_completion_length=8, logprobs=0, structured_outputs_regex=None,
-        generation_kwargs=None)
+        generation_kwargs={"frequency_penalty": 0.5}, seed=7, mode="server")
+    fake.seeded = types.MethodType(_SyncingVLLMGeneration.seeded, fake)  # the trainer's own seeding
+    return fake
 
 
 PROMPTS = [[1, 2], [1, 2], [3, 4], [3, 4]]  # two prompts, two completions each, as TRL repeats them
@@ -45,6 +49,8 @@ def test_the_early_batch_is_handed_over_for_its_own_prompts_one_step_stale():
     assert prompt_ids == PROMPTS and completion_ids == [[100, 7], [100, 7], [101, 7], [101, 7]]
     assert client.calls[0][0] == [[1, 2], [3, 4]]  # each prompt once, n completions of it
     assert client.calls[0][1] == 2 and client.calls[0][2]["max_tokens"] == 8 and client.calls[0][2]["min_p"] == 0.0
+    # asked for during step 5 (4 done), it trains step 6: seeded as step 6's batch would be, the user's kwargs kept
+    assert client.calls[0][2]["generation_kwargs"] == {"frequency_penalty": 0.5, "seed": prompt_seeds(7, 6, 0, 2)}
     (batch,) = ahead.batches
     assert batch["staleness"] == 1 and batch["waited"] >= 0.15 and batch["seconds"] >= 0.2
     assert ahead.request is None

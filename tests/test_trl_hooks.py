@@ -109,8 +109,11 @@ def test_the_async_extension_mirrors_trls_server_request_and_hooks():
     keys = set(re.findall(r'"(\w+)":', sent))
     fake = types.SimpleNamespace(repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
                                  max_completion_length=8, logprobs=0, structured_outputs_regex=None,
-                                 generation_kwargs=None)
-    assert set(Ahead(fake).sampling(4)) == keys
+                                 generation_kwargs=None, seeded=lambda step, round_, count: None)
+    assert set(Ahead(fake).sampling(4, 2, 1)) == keys
+    # the per-prompt seeds ride in self.generation_kwargs, which TRL's request body takes as it is
+    assert '"generation_kwargs": self.generation_kwargs' in sent
+    assert "sampling_params.update(generation_kwargs or {})" in inspect.getsource(VLLMClient.generate)
     assert "all_prompts[::num_generations]" in generate and "broadcast_object_list(obj_list, from_process=0)" in generate
     assert list(inspect.signature(VLLMGeneration.generate).parameters) == [
         "self", "prompts", "images", "num_generations", "profiler"]

@@ -598,6 +598,10 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
     if isinstance(recipe.trainer.get("learning_rate"), (int, float)) and recipe.trainer["learning_rate"] <= 0:
         problems.append(WorkbenchError(f"trainer.learning_rate is {recipe.trainer['learning_rate']!r}",
                                        "set a positive learning rate, e.g. 1e-6"))
+    # one seed in every request would draw the same noise at every step (workbench/training/seeding.py)
+    if isinstance(recipe.trainer.get("generation_kwargs"), dict) and "seed" in recipe.trainer["generation_kwargs"]:
+        problems.append(WorkbenchError("trainer.generation_kwargs.seed would sample every step with the same noise",
+                                       "drop it: each prompt's sampling seed derives from trainer.seed and the step"))
 
     # each reward's function imported and checked (module:function, TRL's signature, its args) at load
     problems += rewardspec.problems(recipe.rewards)

@@ -985,10 +985,31 @@ class SyncingVLLMClient(VLLMClient):
     def generate(self, *args, **kwargs):
         return self._recovering("generation", lambda: self.generate_once(*args, **kwargs))
 
-    def generate_once(self, *args, **kwargs):
+    def generate_once(self, prompts, *args, generation_kwargs: dict | None = None, **kwargs):
         """TRL's request without the recovery: for a request on another thread, whose failure is handled on the
-        trainer's main thread (workbench/training/overlap.py)."""
-        return VLLMClient.generate(self, *args, **kwargs)
+        trainer's main thread (workbench/training/overlap.py). A list under `generation_kwargs["seed"]` holds one
+        sampling seed per prompt (workbench/training/seeding.py): each prompt then goes in a request of its own,
+        all at once, since vLLM's completions endpoint takes one seed per request."""
+        seeds = (generation_kwargs or {}).get("seed")
+        if not isinstance(seeds, (list, tuple)):
+            return VLLMClient.generate(self, prompts, *args, generation_kwargs=generation_kwargs, **kwargs)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} sampling seeds for {len(prompts)} prompts")
+        features = kwargs.pop("features", None)
+
+        def one(i: int) -> dict:
+            return VLLMClient.generate(self, [prompts[i]], *args, features=None if features is None else [features[i]],
+                                       generation_kwargs={**generation_kwargs, "seed": seeds[i]}, **kwargs)
+
+        # the server batches the requests as it would one request's prompts; the pool stays within TRL's connections
+        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64)),
+                                thread_name_prefix="workbench-seeded") as pool:
+            parts = list(pool.map(one, range(len(prompts))))
+        out: dict[str, list] = {}
+        for key in ("prompt_ids", "completion_ids", "logprobs", "logprob_token_ids"):
+            values = [part.get(key) for part in parts]
+            out[key] = None if any(v is None for v in values) else [x for v in values for x in v]
+        return out
 
     # vLLM's dev endpoints answer with JSON or, in some releases, an empty 200 (/reset_prefix_cache before 0.26,
     # /collective_rpc when no worker returns anything): both mean success; TRL's own helpers parse every body.

@@ -58,13 +58,15 @@ class Ahead:
     def main(self) -> bool:
         return self.generation.accelerator.is_main_process
 
-    def sampling(self, num_generations: int) -> dict:
-        """The request TRL's VLLMGeneration.generate sends in server mode (TRL 1.16; tests/test_trl_hooks.py)."""
+    def sampling(self, num_generations: int, step: int, count: int) -> dict:
+        """The request TRL's VLLMGeneration.generate sends in server mode (TRL 1.16; tests/test_trl_hooks.py), for
+        `count` prompts of the batch that trains optimizer `step`, seeded as if generated at that step."""
         g = self.generation
         return {"n": num_generations, "repetition_penalty": g.repetition_penalty, "temperature": g.temperature,
                 "top_p": g.top_p, "top_k": g.top_k, "min_p": 0.0 if g.min_p is None else g.min_p,
                 "max_tokens": g.max_completion_length, "logprobs": g.logprobs,
-                "structured_outputs_regex": g.structured_outputs_regex, "generation_kwargs": g.generation_kwargs}
+                "structured_outputs_regex": g.structured_outputs_regex,
+                "generation_kwargs": g.seeded(step, 0, count)}
 
     def submit(self, prompts: list[list[int]], num_generations: int, step: int) -> None:
         """Ask for the next batch now (every rank calls this: the prompts are gathered to the main rank)."""
@@ -73,7 +75,8 @@ class Ahead:
         future = None
         if self.main:
             unique = everyone[::num_generations]
-            params = self.sampling(num_generations)
+            # asked for during step `step` + 1, for the one after it: the seeds it would get generated there
+            params = self.sampling(num_generations, step + 2, len(unique))
             client = self.generation.vllm_client
             future = Future()
 

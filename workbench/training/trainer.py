@@ -15,6 +15,10 @@ when the TRL internals this relies on change.
 With `rollout.mode: async` the same trainer asks the server for the next step's batch right after this step's
 push and scores/trains while it is generated (workbench/training/overlap.py): `get_batch_samples` pulls one
 optimizer step ahead, `_generate_single_turn` submits, `_SyncingVLLMGeneration.generate` hands the early batch over.
+
+Every request carries one sampling seed per prompt, from `trainer.seed`, the step it trains and the prompt's place
+(workbench/training/seeding.py): the same seeds sample the same completions whichever path asked and whatever else
+the server serves, so a training repeats itself.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from workbench.training.gauge import Gauge
 from workbench.training.groups import GroupRecorder, group_signal
 from workbench.training.overlap import Ahead
 from workbench.training.recovery import Recovery
+from workbench.training.seeding import prompt_seeds
 
 
 # what TRL 1.16's _generate logs of each generation's completions (tests/test_trl_hooks.py)
@@ -65,8 +70,10 @@ class _SyncingVLLMGeneration(VLLMGeneration):
     def __init__(self, *args, weight_sync: sync.WeightSync, headers: dict[str, str] | None = None,
                  request_timeout: float | None = None, canary: Canary | None = None,
                  recovery: Recovery | None = None, step=lambda: -1, server_logprobs=None, overlap: bool = False,
-                 **kwargs):
+                 seed: int | None = None, **kwargs):
         self.weight_sync = weight_sync
+        self.seed = seed  # trainer.seed: every prompt's sampling seed derives from it (training/seeding.py)
+        self.round = 0  # the generation round of the current batch: 0, then one more per dynamic-sampling refill
         self.headers = headers
         self.request_timeout = request_timeout
         self.canary = canary
@@ -140,17 +147,36 @@ class _SyncingVLLMGeneration(VLLMGeneration):
             server = [self._server_logprobs(ids) for ids in self.canary.sequences]
             self.canary.compare(self.step(), trainer, server, time.perf_counter() - started, reason)
 
+    def seeded(self, step: int, round_: int, count: int) -> dict | None:
+        """TRL's `generation_kwargs` with one sampling seed for each of the `count` prompts of the batch that trains
+        optimizer `step` (1-based), generation round `round_`; unchanged when unseeded or not in server mode."""
+        if self.seed is None or self.mode != "server":
+            return self.generation_kwargs
+        return {**(self.generation_kwargs or {}), "seed": prompt_seeds(self.seed, step, round_, count)}
+
     def generate(self, prompts, images, num_generations, profiler=None):
+        self.round = self.round + 1 if self.refilling else 0
         if self.ahead is None or self.refilling:
-            return super().generate(prompts, images, num_generations, profiler)
+            return self._seeded_generate(prompts, images, num_generations, profiler)
         # the batch asked for during the previous step, when these are its prompts (text only)
         taken = self.ahead.take(prompts if images is None else None, num_generations)
         if taken is not None:
             return taken
         started = time.perf_counter()
-        out = super().generate(prompts, images, num_generations, profiler)
+        out = self._seeded_generate(prompts, images, num_generations, profiler)
         self.ahead.record_sync(time.perf_counter() - started)
         return out
+
+    def _seeded_generate(self, prompts, images, num_generations, profiler):
+        # TRL's generate sends self.generation_kwargs with the request of the main rank, which holds every rank's
+        # prompts: those of this step's batch (global_step counts the steps done), one seed per distinct prompt
+        everyone = len(prompts) * self.accelerator.num_processes
+        saved = self.generation_kwargs
+        self.generation_kwargs = self.seeded(self.step() + 1, self.round, -(-everyone // num_generations))
+        try:
+            return super().generate(prompts, images, num_generations, profiler)
+        finally:
+            self.generation_kwargs = saved
 
     def sync_weights(self, final: bool = False):
         """TRL's push, through the workbench's weight sync, then the canary and the curve when due (`final`: the
@@ -235,7 +261,8 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             self.vllm_generation = _SyncingVLLMGeneration(
                 **vllm_generation_kwargs(self, training_args), weight_sync=weight_sync, headers=headers,
                 request_timeout=request_timeout, canary=canary, recovery=recovery,
-                step=lambda: self.state.global_step, server_logprobs=server_logprobs, overlap=overlap)
+                step=lambda: self.state.global_step, server_logprobs=server_logprobs, overlap=overlap,
+                seed=training_args.seed)
             self._last_loaded_step = -1
         self._next_batches: tuple | None = None  # (data iterator, the next optimizer step's batches): async only
         self.add_callback(_TrainBegin(self))
@@ -302,8 +329,9 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         generation batch, steps_per_generation = gradient_accumulation_steps being required for async)."""
         if self._next_batches is None or not self.model.training:
             return
-        # this batch is for step global_step + 1: after the last step there is nothing to generate for (the server
-        # would sample a batch nobody uses, and its counters would disagree with the steps: training/smoke.py)
+        # this batch trains step global_step + 2 (global_step counts the steps done, and this is step
+        # global_step + 1's generation): after the last step there is nothing to generate for (the server would
+        # sample a batch nobody uses, and its counters would disagree with the steps: training/smoke.py)
         if self.state.max_steps > 0 and self.state.global_step + 2 > self.state.max_steps:
             return
         rows = self._next_batches[1][0][0]
