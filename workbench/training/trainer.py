@@ -243,7 +243,6 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         self._completion_tokens = 0
         self._generated_total = 0  # completion tokens sampled for training so far (the curve's x axis)
         self.curve: EvalCurve | None = None
-        self.score_final = False  # a push and a point of the curve after the last step (eval.every_steps > 0)
         self._began_at: int | None = None  # the step training began at (a resume's checkpoint), set at train begin
         self.gauge: Gauge | None = None  # the share of the cores' limits each step used (training/gauge.py)
         self._last_log_clock = time.perf_counter()
@@ -545,16 +544,16 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
     def _score_final(self) -> None:
         """The learning curve's last point on the model the run ends with. A push comes before a rollout and no
         rollout follows the last step, so without this the curve stops one interval short of the end, and
-        eval.keep_best chooses among earlier steps only: over the demo's 9 protocol trainings, the kept step never
-        scored above the final model on the test split, and 7 times below it. The main rank pushes and scores; no canary, and no server restart (a server
-        lost after the last rollout costs this point, not minutes of the run). Its seconds are in the point and
-        the run's train_seconds, not in the per-step time/eval_curve (no log line follows).
+        eval.keep_best would choose among earlier steps only. Only with a curve (eval.every_steps > 0). The main
+        rank pushes and scores; no canary, and no server restart (a server lost after the last rollout costs this
+        point, not minutes of the run). Its seconds are in the point and the run's train_seconds, not in the
+        per-step time/eval_curve (no log line follows).
 
         Left out: sharded parameters (ZeRO-3, FSDP), whose push is collective (a fault on the main rank would leave
         the ranks in different collectives before the final save), and a resumed run that trained no step (its
         final point was recorded before it stopped)."""
         generation = getattr(self, "vllm_generation", None)
-        if not self.score_final or generation is None or generation.mode != "server" or generation.sharded:
+        if self.curve is None or generation is None or generation.mode != "server" or generation.sharded:
             return
         if self.state.global_step == self._began_at:
             return
@@ -618,7 +617,6 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
                                      # _internal_call: a best step is not pushed to the Hub (push_to_hub)
                                      save=lambda path: trainer.save_model(str(path), _internal_call=True))
         trainer.curve = trainer.vllm_generation.curve = curve
-        trainer.score_final = curve is not None  # the same on every rank: the final push may be collective
     if train_dir is not None:  # completions generated at once: every rank's batch of one generation
         trainer.gauge = Gauge.for_recipe(rr, train_dir, model, in_flight=int(args.generation_batch_size))
     return trainer
