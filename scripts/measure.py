@@ -3,8 +3,8 @@
     make measure                                  # python scripts/measure.py --quick: the demo and the tiny bench
     MEASURE=--full make measure                   # + the bench at ~100M, its reload part by part
                                                   #   (scripts/reload_parts.py), the protocol over 3 bases x 3 seeds,
-                                                  #   the recipe against dynamic sampling and the digits reward
-                                                  #   (variants: 3 bases x 1 seed each), make test
+                                                  #   dynamic sampling over the same bases and seeds (variants),
+                                                  #   make test
     python scripts/measure.py --only bench        # one measurement (demo, bench, bench-100m, reload, protocol,
                                                   #   variants, suite)
     python scripts/measure.py --suite JUNIT.xml --commit SHA   # the suite's timing, from `make test`'s JUnit XML
@@ -48,11 +48,13 @@ DEMO_RECIPE = "cpu-tiny-async"  # what `make demo` runs
 BENCH_RECIPE = "cpu-tiny"
 PROTOCOL_DATA_SEEDS = "0,1,2"
 PROTOCOL_SEEDS = "1,2,3"
-# The demo's recipe against its levers, every arm trained and scored on test over the 3 bases with one training
-# seed. Dynamic sampling spends more generation per step, so its arm trains fewer steps, to about the plain arm's
-# generated tokens (docs/async-and-bench.md); the digits weight is the one validation preferred (docs/recipes.md).
-VARIANT_SEEDS = "1"
-VARIANTS = ["dynamic: rollout.dynamic_sampling=true trainer.max_steps=180", "digits: rewards.digits=0.5"]
+# Dynamic sampling against plain GRPO (the demo's recipe): the variant's own protocol over the protocol's bases and
+# training seeds. Its plain arm is the protocol measurement: a training repeats itself under fixed seeds
+# (workbench/training/seeding.py), so training the recipe again here would repeat those trainings, an hour on two
+# cores. The two are compared only when measured on one commit and one machine. Dynamic sampling spends more
+# generation per step, so it trains fewer steps, to about the plain arm's generated tokens
+# (docs/async-and-bench.md).
+VARIANT = ("dynamic", ["rollout.dynamic_sampling=true", "trainer.max_steps=180"])
 
 # What each measurement's figures depend on: a commit touching one of these after the measured commit makes the
 # file stale (tests/test_results.py). The notebooks `workbench run` executes are package data (workbench/notebooks).
@@ -263,7 +265,7 @@ def measure_bench_100m(root: Path) -> tuple[str, float, dict]:
 # nothing to choose, so no training on the validation split (9 trainings instead of 12)
 _OVER_BASES = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", PROTOCOL_DATA_SEEDS]
 PROTOCOL_ARGS = [*_OVER_BASES, "--seeds", PROTOCOL_SEEDS]
-VARIANTS_ARGS = [*_OVER_BASES, "--seeds", VARIANT_SEEDS, *(a for v in VARIANTS for a in ("--candidate", v))]
+VARIANTS_ARGS = [*PROTOCOL_ARGS, *VARIANT[1]]
 
 
 def command_line(args: list[str]) -> str:
@@ -278,32 +280,34 @@ def measure_protocol(root: Path) -> tuple[str, float, dict]:
 
 
 def measure_variants(root: Path) -> tuple[str, float, dict]:
-    """The demo's recipe beside each of VARIANTS, all reported on test (the plain arm is the recipe itself)."""
+    """VARIANT's own protocol over the protocol's bases and seeds, reported on test (its plain arm: the protocol)."""
     seconds = workbench([*VARIANTS_ARGS, f"monitor.runs_dir={root / 'variants'}"], root / "variants.log")
-    return command_line(VARIANTS_ARGS), seconds, variants_figures(only_dir(root / "variants", "*-protocol"))
+    return (command_line(VARIANTS_ARGS), seconds,
+            variants_figures(only_dir(root / "variants", "*-protocol"), name=VARIANT[0]))
 
 
-def variants_figures(path: Path) -> dict:
-    """Each reported arm's protocol figures (protocol_figures), its overrides, its mean generated tokens and shares
-    of groups with reward spread (trained, generated), in the order the protocol lists them."""
+def variants_figures(path: Path, name: str | None = None) -> dict:
+    """Each arm the protocol reported on test (every candidate with --report-all, else the chosen one): its
+    protocol figures (protocol_figures) and overrides (the command line's, then the candidate's), in the protocol's
+    order; `name` names the arm of a protocol that reports one."""
     result = load_protocol(path)
-    if not result.report_all or len(result.reported) < 2:
-        raise SystemExit(f"measure: {path} is not a protocol with --report-all over two or more settings")
-
-    def mean(values: list) -> float | None:
-        values = [v for v in values if v is not None]
-        return statistics.fmean(values) if values else None
-
+    common = [o for o in result.common if not o.startswith("monitor.runs_dir=")]
     arms = []
-    for c in result.candidates:
-        test = [o for o in result.test if o.candidate == c.name]
-        if not test:
+    for c in (c for c in result.candidates if c.name in result.reported):
+        if not any(o.candidate == c.name for o in result.test):
             raise SystemExit(f"measure: {path} has no test result for {c.name}: the protocol did not finish")
-        arms.append({"name": c.name, "overrides": c.overrides, **protocol_figures(path, c.name, result),
-                     "generated_tokens": mean([o.generated_tokens for o in test]),
-                     "signal": mean([o.signal for o in test]),
-                     "signal_generated": mean([o.signal_generated for o in test])})
+        arms.append({**protocol_figures(path, c.name, result), "name": c.name, "overrides": common + c.overrides})
+    if name is not None:
+        if len(arms) != 1:
+            raise SystemExit(f"measure: {path} reports {len(arms)} settings; a variant's protocol reports one")
+        arms[0]["name"] = name
     return {"arms": arms}
+
+
+def mean(values: list) -> float | None:
+    """The mean of the values that were recorded, None when none was."""
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
 
 
 RELOAD_COMMAND = ["scripts/reload_parts.py", "--size", "100m", "--reloads", "5"]
@@ -356,7 +360,8 @@ def load_protocol(path: Path):
 def protocol_figures(path: Path, name: str | None = None, result=None) -> dict:
     """What a `workbench protocol` directory says of setting `name` (default: the chosen, or the only reported one):
     its test gain, mean and sample std over every (base, seed) training, each training's gain, per base its mean and
-    its base accuracy. `result`: the directory's Protocol, when the caller has loaded it already."""
+    its base accuracy, the mean completion tokens a training generated and its shares of groups with reward spread
+    (trained, generated). `result`: the directory's Protocol, when the caller has loaded it already."""
     result = result or load_protocol(path)
     if not (result.chosen or result.reported):
         raise SystemExit(f"measure: {path} has no chosen or reported setting: the protocol did not finish")
@@ -372,7 +377,10 @@ def protocol_figures(path: Path, name: str | None = None, result=None) -> dict:
                "trainings": len(gains), "data_seeds": result.data_seeds, "seeds": result.seeds,
                "base_means": {str(d): g for d, g in result.base_means(name).items()},
                "base_accuracy": {str(o.data_seed): o.base for o in test},
-               "headline": result.headline(name)}
+               "headline": result.headline(name),
+               "generated_tokens": mean([o.generated_tokens for o in test]),
+               "signal": mean([o.signal for o in test]),
+               "signal_generated": mean([o.signal_generated for o in test])}
     return figures
 
 
@@ -474,9 +482,9 @@ def readme_block(results: dict[str, dict]) -> str:
                      f"{len(f['seeds'])} training seeds (`workbench protocol`, {protocol['date'][:10]}): test gain "
                      f"**{f['gain_mean']:+.1f}{spread} points**{span}. `make demo` trains base 0 with training seed "
                      "0: compare it with base 0's trainings in docs/results.md.")
-    variants = results.get("variants")
-    if variants:
-        plain, *others = variants["figures"]["arms"]
+    arms, apart = head_to_head(results)
+    if arms and not apart:
+        plain, *others = arms
 
         def gain(a: dict) -> str:
             return f"{a['gain_mean']:+.1f}" + (f" ± {a['gain_std']:.1f}" if a.get("gain_std") is not None else "")
@@ -487,8 +495,8 @@ def readme_block(results: dict[str, dict]) -> str:
 
         arms = "; ".join(f"{a['name']} (`{' '.join(a['overrides'])}`) {gain(a)}{tokens(a)}" for a in others)
         lines.append(f"Head to head on the same {len(plain['data_seeds']) or 1} base model(s), training seed(s) "
-                     f"{', '.join(map(str, plain['seeds']))} ({variants['date'][:10]}), test gain in points: the "
-                     f"demo's recipe {gain(plain)}; {arms}.")
+                     f"{', '.join(map(str, plain['seeds']))} ({results['variants']['date'][:10]}), test gain in "
+                     f"points: the demo's recipe {gain(plain)}; {arms}.")
     if len(lines) == 1:
         lines.append("No figure is measured on this code yet: `make measure` writes them.")
     lines.append("Every figure, its machine and its command: [docs/results.md](docs/results.md).")
@@ -599,14 +607,19 @@ def results_page(results: dict[str, dict]) -> str:
     else:
         out += ["Not measured on this code: `MEASURE=--full make measure` runs it (hours on two cores).", ""]
     variants = results.get("variants")
-    out += ["## The recipe against dynamic sampling and the digits reward", ""]
-    if variants:
-        arms = variants["figures"]["arms"]
+    arms, apart = head_to_head(results)
+    out += ["## The recipe against dynamic sampling", ""]
+    if arms:
         plain = arms[0]
         out += head("", variants)[2:]
-        out += [f"Every arm trained afresh on each of {len(plain['data_seeds']) or 1} base model(s) with training "
+        out += ([f"Not compared with the recipe: {apart}. `python scripts/measure.py --only protocol --only "
+                 "variants` measures both on one commit.", ""] if apart else [])
+        out += [f"Each arm trained on each of {len(plain['data_seeds']) or 1} base model(s) with training "
                 f"seed(s) {', '.join(map(str, plain['seeds']))}, scored on the test split; gains are mean ± sample "
-                "std over those trainings. Completion tokens are what a training generated (refills included).", "",
+                "std over those trainings."
+                + ("" if apart else " The recipe's arm is the protocol's trainings (the section above): under the "
+                   "same seeds a training repeats itself, so they are not trained twice.")
+                + " Completion tokens are what a training generated (refills included).", "",
                 "| arm | overrides | test: base → trained | gain (points) | per base | completion tokens per "
                 "training | points per 100k completion tokens (mean gain ÷ mean tokens) | groups with spread "
                 "(trained / generated) |",
@@ -617,7 +630,7 @@ def results_page(results: dict[str, dict]) -> str:
             spread = f" ± {a['gain_std']:.1f}" if a.get("gain_std") is not None else ""
             tokens = a.get("generated_tokens")
             ratio = (f" ({tokens / plain['generated_tokens']:.2f}×)" if tokens and plain.get("generated_tokens")
-                     and a is not plain else "")
+                     and a is not plain and not apart else "")
             per = f"{a['gain_mean'] / tokens * 1e5:+.2f}" if tokens else "—"
             out.append(f"| {a['name']} | `{' '.join(a['overrides']) or '(as the recipe)'}` | {pct(base)} → "
                        f"{pct(trained)} | {a['gain_mean']:+.1f}{spread} | "
@@ -627,8 +640,8 @@ def results_page(results: dict[str, dict]) -> str:
         out.append("")
         out += trainings_table([(a["name"], t) for a in arms for t in a["gains"]])
     else:
-        out += ["Not measured on this code: `python scripts/measure.py --only variants` runs it (about 1.5 h on two "
-                "cores).", ""]
+        out += ["Not measured on this code: `python scripts/measure.py --only variants` runs it (about an hour on "
+                "two cores), beside the protocol of the same commit.", ""]
     suite = results.get("suite")
     out += ["## The test suite", ""]
     if suite:
@@ -640,6 +653,27 @@ def results_page(results: dict[str, dict]) -> str:
     else:
         out += ["Not recorded yet: `python scripts/measure.py --suite JUNIT.xml` after `make test`.", ""]
     return "\n".join(out)
+
+
+def head_to_head(results: dict[str, dict]) -> tuple[list[dict], str | None]:
+    """The arms to compare: the plain one (the protocol's recipe), then the variants' arms, when both files were
+    measured on one commit and one machine over the same bases and seeds; otherwise the variants' arms alone and
+    what differs. No arms when the variants are not measured."""
+    variants, protocol = results.get("variants"), results.get("protocol")
+    arms = list(variants["figures"]["arms"]) if variants else []
+    if not arms:
+        return [], None
+    if protocol is None:
+        return arms, "the protocol, its plain arm, is not measured"
+    f = protocol["figures"]
+    differs = [what for what, a, b in (
+        ("commit", protocol["commit"], variants["commit"]),
+        ("machine", protocol["machine"]["summary"], variants["machine"]["summary"]),
+        ("base models", f["data_seeds"], arms[0]["data_seeds"]),
+        ("training seeds", f["seeds"], arms[0]["seeds"])) if a != b]
+    if differs:
+        return arms, f"the protocol, its plain arm, ran on another {' and '.join(differs)}"
+    return [{**f, "name": "recipe", "overrides": []}, *arms], None
 
 
 def base_name(data_seed: int | str | None) -> str:

@@ -375,7 +375,7 @@ def test_over_base_models_each_gain_against_its_own_base_and_every_candidate_hea
     assert "1,501 completion tokens generated per training" in result.headline("recipe")  # seeds 1 and 2
     assert set(result.to_json()["by_candidate"]) == {"recipe", "dynamic"}
 
-    # what scripts/measure.py keeps of it (docs/results/variants.json) and renders: every arm, head to head
+    # what scripts/measure.py keeps of it and renders: every arm; the plain one is the protocol measurement's
     measure = script("measure")
     figures = measure.variants_figures(run.path)
     recipe, dyn = figures["arms"]
@@ -384,16 +384,28 @@ def test_over_base_models_each_gain_against_its_own_base_and_every_candidate_hea
     assert recipe["gain_mean"] == pytest.approx(10.0) and dyn["gain_mean"] == pytest.approx(15.0)
     assert dyn["generated_tokens"] == recipe["generated_tokens"] == 1501
     assert dyn["headline"] == result.headline("dynamic")
-    record = {"command": "workbench protocol", "commit": "0" * 40, "date": "2026-12-04 00:00 UTC", "seconds": 60.0,
-              "machine": {"summary": "a machine"}, "versions": {}, "figures": figures}
-    page = measure.results_page({"variants": record})
+
+    def record(figures: dict, commit: str = "0" * 40) -> dict:
+        return {"command": "workbench protocol", "commit": commit, "date": "2026-12-04 00:00 UTC", "seconds": 60.0,
+                "machine": {"summary": "a machine"}, "versions": {}, "figures": figures}
+
+    results = {"protocol": record(recipe), "variants": record({"arms": [dyn]})}
+    page = measure.results_page(results)
     assert ("| dynamic | `rollout.dynamic_sampling=true` | 50.0% → 65.0% | +15.0 ± 0.0 | —: +15.0 "
             "| 1,501 (1.00×) | +999.33 |") in page
     assert "| dynamic | — | 2 | 50.0% → 65.0% | +15.0 |" in page  # each training (the recipe's own base)
     assert ("test gain in points: the demo's recipe +10.0 ± 0.0; dynamic (`rollout.dynamic_sampling=true`) +15.0 "
-            "± 0.0 at 1.00× the recipe's completion tokens.") in measure.readme_block({"variants": record})
-    with pytest.raises(SystemExit, match="two or more settings"):  # the run above chose one: nothing head to head
-        measure.variants_figures(measure.only_dir(tmp_path / "bases", "*-protocol"))
+            "± 0.0 at 1.00× the recipe's completion tokens.") in measure.readme_block(results)
+    # a plain arm from another commit is not compared with: the arm is shown alone, and why
+    results["protocol"] = record(recipe, commit="1" * 40)
+    page = measure.results_page(results)
+    assert "Not compared with the recipe: the protocol, its plain arm, ran on another commit." in page
+    assert "(1.00×)" not in page and "Head to head" not in measure.readme_block(results)
+    # a chosen protocol reports one arm, which a variant's measurement names; two arms cannot take one name
+    chosen = measure.variants_figures(measure.only_dir(tmp_path / "bases", "*-protocol"), name="variant")
+    assert [(a["name"], a["gain_mean"]) for a in chosen["arms"]] == [("variant", pytest.approx(15.0))]
+    with pytest.raises(SystemExit, match="reports 2 settings"):
+        measure.variants_figures(run.path, name="variant")
 
 
 @pytest.mark.parametrize("extra, message", [
