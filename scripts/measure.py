@@ -493,10 +493,10 @@ def readme_block(results: dict[str, dict]) -> str:
             return (f" at {a['generated_tokens'] / plain['generated_tokens']:.2f}× the recipe's completion tokens"
                     if a.get("generated_tokens") and plain.get("generated_tokens") else "")
 
-        arms = "; ".join(f"{a['name']} (`{' '.join(a['overrides'])}`) {gain(a)}{tokens(a)}" for a in others)
+        listed = "; ".join(f"{a['name']} (`{' '.join(a['overrides'])}`) {gain(a)}{tokens(a)}" for a in others)
         lines.append(f"Head to head on the same {len(plain['data_seeds']) or 1} base model(s), training seed(s) "
                      f"{', '.join(map(str, plain['seeds']))} ({results['variants']['date'][:10]}), test gain in "
-                     f"points: the demo's recipe {gain(plain)}; {arms}.")
+                     f"points: the demo's recipe {gain(plain)}; {listed}.")
     if len(lines) == 1:
         lines.append("No figure is measured on this code yet: `make measure` writes them.")
     lines.append("Every figure, its machine and its command: [docs/results.md](docs/results.md).")
