@@ -78,6 +78,12 @@ def git(*args: str, cwd: Path = REPO) -> str:
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def code_commit(name: str, commit: str, cwd: Path = REPO) -> str:
+    """The last commit, up to `commit`, that changed what measurement `name` depends on (MEASURED): two results
+    files with the same code commit measured the same code, whatever else (docs, this script) changed between."""
+    return git("log", "-1", "--format=%H", commit, "--", *MEASURED[name], cwd=cwd)
+
+
 def dirty(paths: list[str], cwd: Path = REPO) -> list[str]:
     """The measured paths with uncommitted changes (tracked or not)."""
     out = git("status", "--porcelain", "--", *paths, cwd=cwd)
@@ -122,7 +128,8 @@ def versions() -> dict:
 
 def record(name: str, command: str, seconds: float, figures: dict, commit: str, clean: bool) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    data = {"name": name, "commit": commit, "clean": clean, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    data = {"name": name, "commit": commit, "code": code_commit(name, commit), "clean": clean,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": machine(), "versions": versions(), "command": command, "seconds": round(seconds, 1),
             "figures": figures}
     from workbench.rundir import write_atomic
@@ -656,9 +663,9 @@ def results_page(results: dict[str, dict]) -> str:
 
 
 def head_to_head(results: dict[str, dict]) -> tuple[list[dict], str | None]:
-    """The arms to compare: the plain one (the protocol's recipe), then the variants' arms, when both files were
-    measured on one commit and one machine over the same bases and seeds; otherwise the variants' arms alone and
-    what differs. No arms when the variants are not measured."""
+    """The arms to compare: the plain one (the protocol's recipe), then the variants' arms, when both files measured
+    the same code (their code commits, or their commits for a file without one) on one machine over the same bases
+    and seeds; otherwise the variants' arms alone and what differs. No arms when the variants are not measured."""
     variants, protocol = results.get("variants"), results.get("protocol")
     arms = list(variants["figures"]["arms"]) if variants else []
     if not arms:
@@ -667,7 +674,7 @@ def head_to_head(results: dict[str, dict]) -> tuple[list[dict], str | None]:
         return arms, "the protocol, its plain arm, is not measured"
     f = protocol["figures"]
     differs = [what for what, a, b in (
-        ("commit", protocol["commit"], variants["commit"]),
+        ("commit", protocol.get("code", protocol["commit"]), variants.get("code", variants["commit"])),
         ("machine", protocol["machine"]["summary"], variants["machine"]["summary"]),
         ("base models", f["data_seeds"], arms[0]["data_seeds"]),
         ("training seeds", f["seeds"], arms[0]["seeds"])) if a != b]

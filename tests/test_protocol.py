@@ -401,6 +401,13 @@ def test_over_base_models_each_gain_against_its_own_base_and_every_candidate_hea
     page = measure.results_page(results)
     assert "Not compared with the recipe: the protocol, its plain arm, ran on another commit." in page
     assert "(1.00×)" not in page and "Head to head" not in measure.readme_block(results)
+    # ... unless both measured the same code: a later commit that changed only docs or this script does not count
+    results = {"protocol": {**record(recipe, commit="1" * 40), "code": "2" * 40},
+               "variants": {**record({"arms": [dyn]}), "code": "2" * 40}}
+    assert "| dynamic | `rollout.dynamic_sampling=true` | 50.0% → 65.0% | +15.0 ± 0.0 | —: +15.0 " \
+           "| 1,501 (1.00×) | +999.33 |" in measure.results_page(results)
+    results["variants"]["code"] = "3" * 40
+    assert "ran on another commit." in measure.results_page(results)
     # a chosen protocol reports one arm, which a variant's measurement names; two arms cannot take one name
     chosen = measure.variants_figures(measure.only_dir(tmp_path / "bases", "*-protocol"), name="variant")
     assert [(a["name"], a["gain_mean"]) for a in chosen["arms"]] == [("variant", pytest.approx(15.0))]

@@ -48,6 +48,10 @@ def test_every_results_file_measured_this_history_and_its_code_has_not_changed_s
         assert r["clean"], f"docs/results/{name}.json was measured on a tree with uncommitted changes"
         known = git("merge-base", "--is-ancestor", r["commit"], "HEAD")
         assert known.returncode == 0, f"docs/results/{name}.json measured {r['commit'][:10]}, not in this history"
+        if "code" in r:  # what head-to-head comparisons key on: it must be what git says, not a hand edit
+            assert r["code"] == measure.code_commit(name, r["commit"]), \
+                f"docs/results/{name}.json names code {r['code'][:10]}; git says {r['commit'][:10]} ran " \
+                f"{measure.code_commit(name, r['commit'])[:10]}"
         if name == "suite":
             continue
         later = git("log", "--format=%h %s", f"{r['commit']}..HEAD", "--", *measure.MEASURED[name]).stdout.strip()
