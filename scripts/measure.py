@@ -4,9 +4,10 @@
     MEASURE=--full make measure                   # + the bench at ~100M, its reload part by part
                                                   #   (scripts/reload_parts.py), the protocol over 3 bases x 3 seeds,
                                                   #   dynamic sampling over the same bases and seeds (variants),
+                                                  #   the recipe's learning rate chosen on validation (choice),
                                                   #   make test
     python scripts/measure.py --only bench        # one measurement (demo, bench, bench-100m, reload, protocol,
-                                                  #   variants, suite)
+                                                  #   variants, choice, suite)
     python scripts/measure.py --suite JUNIT.xml --commit SHA   # the suite's timing, from `make test`'s JUnit XML
     python scripts/measure.py --render            # docs/results.md and the README's block, from the files alone
 
@@ -55,6 +56,11 @@ PROTOCOL_SEEDS = "1,2,3"
 # generation per step, so it trains fewer steps, to about the plain arm's generated tokens
 # (docs/async-and-bench.md).
 VARIANT = ("dynamic", ["rollout.dynamic_sampling=true", "trainer.max_steps=180"])
+# The recipe's learning rate, chosen on the validation split against these candidates over the protocol's bases
+# (training seed 0), then the chosen setting trained with seed 1 on test: `workbench protocol`'s own choice. Under
+# fixed seeds, the recipe's seed-1 test trainings repeat the protocol measurement's (results page: the check).
+CHOICE = [("lr 1e-4", "trainer.learning_rate=1e-4"),
+          ("lr 1.5e-4 warm-up 30", "trainer.learning_rate=1.5e-4 trainer.warmup_steps=30")]
 
 # What each measurement's figures depend on: a commit touching one of these after the measured commit makes the
 # file stale (tests/test_results.py). The notebooks `workbench run` executes are package data (workbench/notebooks).
@@ -64,11 +70,12 @@ MEASURED = {
     "bench-100m": ["workbench", "pyproject.toml"],
     "protocol": ["workbench", "pyproject.toml"],
     "variants": ["workbench", "pyproject.toml"],
+    "choice": ["workbench", "pyproject.toml"],
     "reload": ["workbench", "pyproject.toml", "scripts/reload_parts.py"],
     "suite": ["workbench", "tests", "pyproject.toml", "Makefile"],  # exempt from freshness (see above)
 }
 QUICK = ["demo", "bench"]
-FULL = ["demo", "bench", "bench-100m", "reload", "protocol", "variants", "suite"]
+FULL = ["demo", "bench", "bench-100m", "reload", "protocol", "variants", "choice", "suite"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -273,6 +280,8 @@ def measure_bench_100m(root: Path) -> tuple[str, float, dict]:
 _OVER_BASES = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", PROTOCOL_DATA_SEEDS]
 PROTOCOL_ARGS = [*_OVER_BASES, "--seeds", PROTOCOL_SEEDS]
 VARIANTS_ARGS = [*PROTOCOL_ARGS, *VARIANT[1]]
+CHOICE_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--data-seeds", PROTOCOL_DATA_SEEDS, "--choose-seed", "0",
+               "--seeds", "1", *(a for name, overrides in CHOICE for a in ("--candidate", f"{name}: {overrides}"))]
 
 
 def command_line(args: list[str]) -> str:
@@ -291,6 +300,31 @@ def measure_variants(root: Path) -> tuple[str, float, dict]:
     seconds = workbench([*VARIANTS_ARGS, f"monitor.runs_dir={root / 'variants'}"], root / "variants.log")
     return (command_line(VARIANTS_ARGS), seconds,
             variants_figures(only_dir(root / "variants", "*-protocol"), name=VARIANT[0]))
+
+
+def measure_choice(root: Path) -> tuple[str, float, dict]:
+    """The protocol's own choice on validation between the recipe and CHOICE, the chosen one then trained on test."""
+    seconds = workbench([*CHOICE_ARGS, f"monitor.runs_dir={root / 'choice'}"], root / "choice.log")
+    return command_line(CHOICE_ARGS), seconds, choice_figures(only_dir(root / "choice", "*-protocol"))
+
+
+def choice_figures(path: Path) -> dict:
+    """A protocol's choice: each candidate's trainings on validation (per base: base and trained accuracy, share of
+    groups with reward spread) and its mean trained accuracy, the one chosen, the chosen model on test (picked, kept
+    out of the result) and the chosen setting's test trainings (protocol_figures)."""
+    result = load_protocol(path)
+    if result.chosen is None or not result.test:
+        raise SystemExit(f"measure: {path} has no choice and test result: the protocol did not finish")
+    candidates = []
+    for c in result.candidates:
+        rows = [o for o in result.validation if o.candidate == c.name]
+        candidates.append({"name": c.name, "overrides": c.overrides, "mean_trained": mean([o.trained for o in rows]),
+                           "validation": [{"data_seed": o.data_seed, "base": o.base, "trained": o.trained,
+                                           "signal": o.signal} for o in rows]})
+    return {"chosen": result.chosen, "choose_seed": result.choose_seed, "data_seeds": result.data_seeds,
+            "candidates": candidates,
+            "picked": [{"data_seed": o.data_seed, "base": o.base, "trained": o.trained} for o in result.picked],
+            "test": protocol_figures(path, result.chosen, result)}
 
 
 def variants_figures(path: Path, name: str | None = None) -> dict:
@@ -405,7 +439,8 @@ def measure_suite(root: Path) -> tuple[str, float, dict]:
 
 
 MEASURES = {"demo": measure_demo, "bench": measure_bench, "bench-100m": measure_bench_100m,
-            "protocol": measure_protocol, "variants": measure_variants, "reload": measure_reload,
+            "protocol": measure_protocol, "variants": measure_variants, "choice": measure_choice,
+            "reload": measure_reload,
             "suite": measure_suite}
 
 
@@ -504,6 +539,14 @@ def readme_block(results: dict[str, dict]) -> str:
         lines.append(f"Head to head on the same {len(plain['data_seeds']) or 1} base model(s), training seed(s) "
                      f"{', '.join(map(str, plain['seeds']))} ({results['variants']['date'][:10]}), test gain in "
                      f"points: the demo's recipe {gain(plain)}; {listed}.")
+    choice = results.get("choice")
+    if choice:
+        f = choice["figures"]
+        means = "; ".join(f"{'the recipe' if c['name'] == 'recipe' else c['name']} {pct(c['mean_trained'])}"
+                          for c in f["candidates"])
+        lines.append(f"The recipe's learning rate, chosen on the validation split over the same base models "
+                     f"(training seed {f['choose_seed']}, {choice['date'][:10]}), mean trained accuracy: {means}; "
+                     f"chosen: {f['chosen']}.")
     if len(lines) == 1:
         lines.append("No figure is measured on this code yet: `make measure` writes them.")
     lines.append("Every figure, its machine and its command: [docs/results.md](docs/results.md).")
@@ -514,8 +557,8 @@ def results_page(results: dict[str, dict]) -> str:
     out = ["# Results", "",
            "Generated by `python scripts/measure.py` from docs/results/*.json: do not edit by hand. `make measure`",
            "(`--quick`: the demo and the tiny bench) or `MEASURE=--full make measure` (with the ~100M bench, its",
-           "reload part by part, the protocol over base models and seeds, the recipe against its variants and the",
-           "suite) measures them again on the current commit. Each section names the commit it measured, the machine",
+           "reload part by part, the protocol over base models and seeds, the recipe against its variants, the",
+           "choice of its learning rate and the suite) measures them again on the current commit. Each section names the commit it measured, the machine",
            "and the command.", ""]
 
     def head(title: str, r: dict) -> list[str]:
@@ -649,6 +692,36 @@ def results_page(results: dict[str, dict]) -> str:
     else:
         out += ["Not measured on this code: `python scripts/measure.py --only variants` runs it (about an hour on "
                 "two cores), beside the protocol of the same commit.", ""]
+    choice = results.get("choice")
+    out += ["## The recipe's learning rate, chosen on validation", ""]
+    if choice:
+        f = choice["figures"]
+        out += head("", choice)[2:]
+        bases = [base_name(v["data_seed"]) for v in f["candidates"][0]["validation"]]
+        out += [f"Each setting trained once per base model with training seed {f['choose_seed']}, its final model "
+                "scored on the validation split; the setting with the highest mean over the bases is chosen. One "
+                "training per setting and base decides a choice; it does not measure a spread.", "",
+                "| setting | overrides | " + " | ".join(f"base {b}" for b in bases)
+                + " | mean of the trained | groups with spread (per base) |",
+                "|---|---|" + "---|" * len(bases) + "---|---|",
+                "| the base model | | " + " | ".join(pct(v["base"]) for v in f["candidates"][0]["validation"])
+                + " | | |"]
+        for c in f["candidates"]:
+            b = "**" if c["name"] == f["chosen"] else ""
+            out.append(f"| {b}{c['name']}{b} | `{' '.join(c['overrides']) or '(as the recipe)'}` | "
+                       + " | ".join(pct(v["trained"]) for v in c["validation"])
+                       + f" | {b}{pct(c['mean_trained'])}{b} | "
+                       + " / ".join(pct(v["signal"]) for v in c["validation"]) + " |")
+        picked = ", ".join(f"base {base_name(p['data_seed'])} {pct(p['base'])} → {pct(p['trained'])}"
+                           for p in f["picked"])
+        out += ["", f"Chosen: **{f['chosen']}**. The chosen model itself on the test split (picked for its validation "
+                    f"score, so kept out of any result): {picked}. The chosen setting trained again on test: "
+                    f"{f['test']['headline']}", ""]
+        check = repeats(choice, results.get("protocol"))
+        out += [check, ""] if check else []
+    else:
+        out += ["Not measured on this code: `python scripts/measure.py --only choice` runs it (about 75 minutes on "
+                "two cores).", ""]
     suite = results.get("suite")
     out += ["## The test suite", ""]
     if suite:
@@ -662,6 +735,33 @@ def results_page(results: dict[str, dict]) -> str:
     return "\n".join(out)
 
 
+def apart(a: dict, b: dict) -> list[str]:
+    """What keeps two results files' trainings from being the same trainings: other code (their code commits, or
+    their commits for a file without one), another machine."""
+    return [what for what, x, y in (("commit", a.get("code", a["commit"]), b.get("code", b["commit"])),
+                                    ("machine", a["machine"]["summary"], b["machine"]["summary"])) if x != y]
+
+
+def repeats(choice: dict, protocol: dict | None) -> str | None:
+    """The recipe's test trainings in the choice against the protocol measurement's of the same base and seed: under
+    fixed seeds, on the same code and machine, they are the same trainings and must score the same. None when there
+    is nothing to compare (another setting chosen, other code or machine, no common training)."""
+    f = choice["figures"]
+    if f["chosen"] != "recipe" or not protocol or apart(choice, protocol):
+        return None
+    theirs = {(t["data_seed"], t["seed"]): t for t in protocol["figures"]["gains"]}
+    pairs = [(t, theirs[t["data_seed"], t["seed"]]) for t in f["test"]["gains"] if (t["data_seed"], t["seed"]) in theirs]
+    if not pairs:
+        return None
+    differ = [f"base {base_name(a['data_seed'])} seed {a['seed']}: {pct(a['trained'])} here, {pct(b['trained'])} there"
+              for a, b in pairs if a["trained"] != b["trained"]]
+    return (f"The recipe's {len(pairs)} test training(s) here (training seed(s) "
+            f"{', '.join(sorted({str(a['seed']) for a, _ in pairs}))}) repeat the protocol measurement's of the same "
+            "base and seed, on the same code and machine: "
+            + (f"the same test accuracy on all {len(pairs)}." if not differ else
+               f"**they differ** ({'; '.join(differ)}): a training does not repeat itself here (docs/recipes.md)."))
+
+
 def head_to_head(results: dict[str, dict]) -> tuple[list[dict], str | None]:
     """The arms to compare: the plain one (the protocol's recipe), then the variants' arms, when both files measured
     the same code (their code commits, or their commits for a file without one) on one machine over the same bases
@@ -673,9 +773,7 @@ def head_to_head(results: dict[str, dict]) -> tuple[list[dict], str | None]:
     if protocol is None:
         return arms, "the protocol, its plain arm, is not measured"
     f = protocol["figures"]
-    differs = [what for what, a, b in (
-        ("commit", protocol.get("code", protocol["commit"]), variants.get("code", variants["commit"])),
-        ("machine", protocol["machine"]["summary"], variants["machine"]["summary"]),
+    differs = apart(protocol, variants) + [what for what, a, b in (
         ("base models", f["data_seeds"], arms[0]["data_seeds"]),
         ("training seeds", f["seeds"], arms[0]["seeds"])) if a != b]
     if differs:

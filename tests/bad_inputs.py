@@ -45,6 +45,8 @@ CASES: list[tuple[list[str], str]] = [
     (TRAIN + ["server.gpu_memory_utilization=1.5"], "server.gpu_memory_utilization is 1.5"),
     (TRAIN + ["server.weight_sync=magic"], "server.weight_sync is 'magic'"),
     (TRAIN + ["server.extra_args=[--host,0.0.0.0]"], "--host"),
+    (TRAIN + ["server.extra_args=[--enable-chunked-prefill]"], "runs CPU servers without chunked prefill"),
+    (TRAIN + ["server.max_num_batched_tokens=64"], "one engine step must hold a whole prompt"),
     (TRAIN + ["server.host=0.0.0.0"], "server.host=0.0.0.0"),
     (TRAIN + ["server.sync_dir={tmp}/model-dir"], "server.sync_dir"),
     (TRAIN + ["devices.trainer=[]"], "devices.trainer is empty"),

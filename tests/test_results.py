@@ -101,6 +101,26 @@ def test_a_figure_outside_the_block_or_a_stale_block_is_caught(tmp_path):
     assert measure.with_block(edited, measure.readme_block(results)) != edited
 
 
+def test_the_choices_recipe_trainings_are_checked_against_the_protocols_of_the_same_base_and_seed():
+    """Under fixed seeds the recipe's test trainings in the choice repeat the protocol measurement's: the results
+    page says whether they scored the same, and compares nothing across code or machines."""
+    def result(gains: list[tuple[int, int, float]], chosen: str = "recipe", code: str = "a" * 40) -> dict:
+        return {"commit": "0" * 40, "code": code, "machine": {"summary": "a box"},
+                "figures": {"chosen": chosen, "test": {"gains": [{"data_seed": d, "seed": s, "trained": t}
+                                                                  for d, s, t in gains]},
+                            "gains": [{"data_seed": d, "seed": s, "trained": t} for d, s, t in gains]}}
+
+    protocol = result([(0, 1, 0.60), (0, 2, 0.62), (1, 1, 0.50)])
+    same = measure.repeats(result([(0, 1, 0.60), (1, 1, 0.50)]), protocol)
+    assert "The recipe's 2 test training(s) here (training seed(s) 1)" in same
+    assert same.endswith("the same test accuracy on all 2.")
+    differ = measure.repeats(result([(0, 1, 0.60), (1, 1, 0.51)]), protocol)
+    assert "**they differ** (base 1 seed 1: 51.0% here, 50.0% there)" in differ
+    assert measure.repeats(result([(0, 1, 0.61)], code="b" * 40), protocol) is None  # other code
+    assert measure.repeats(result([(0, 1, 0.61)], chosen="lr 1e-4"), protocol) is None  # another setting
+    assert measure.repeats(result([(2, 1, 0.61)]), protocol) is None  # no training in common
+
+
 def test_the_recipe_reference_is_the_schemas_with_every_key_explained():
     """docs/recipe-reference.md is what scripts/recipe_reference.py makes of the schema now, and it names every
     field of every section (read by dataclasses, not by the script's parser), each with what it does."""

@@ -63,3 +63,27 @@ def test_the_same_seeds_sample_the_same_completions_whatever_else_the_server_ser
     assert free[0] != free[1]
     with pytest.raises(ValueError, match="3 sampling seeds for 4 prompts"):
         client.generate(prompts=prompts, generation_kwargs={"seed": seeds[:3]}, **params)
+
+
+def test_seeded_prompts_beyond_one_steps_token_budget_leave_the_cpu_server_serving(tiny_server, server_rr):
+    """vLLM 0.32's CPU build cannot rewind a seeded request's generator after a partial (chunked) prefill: the
+    engine core dies with "CPU Generator does not use offset" (gpu_model_runner._bookkeeping_sync), and with it
+    the training (it happened 2026-12-04 to dynamic sampling's refills beside async ask-ahead, 104 requests in
+    flight). So the workbench launches CPU servers without chunked prefill (serving/launch.py). Here: seeded
+    prompts whose prefills together exceed one engine step's token budget, in one request."""
+    import requests
+
+    from workbench.serving import launch
+
+    assert "--no-enable-chunked-prefill" in launch.command(server_rr, "/m")
+    budget = server_rr.recipe.server.max_num_batched_tokens or 2048  # vLLM's CPU default
+    length = 60
+    # distinct first tokens, so the prefix cache cannot shrink a prefill (ids of the tiny model's 358 tokens)
+    prompts = [[10 + i % 300] + [(7 * i + j) % 300 + 10 for j in range(length - 1)]
+               for i in range(budget // length * 2)]
+    body = {"model": server_rr.recipe.server.served_model_name, "prompt": prompts, "max_tokens": 2,
+            "temperature": 1.0, "seed": 7}
+    done = requests.post(f"{tiny_server.url}/v1/completions", json=body, headers=server_rr.headers, timeout=240)
+    assert done.status_code == 200, done.text[-500:]
+    assert len(done.json()["choices"]) == len(prompts)
+    assert requests.get(f"{tiny_server.url}/health", timeout=10).status_code == 200

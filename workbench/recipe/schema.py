@@ -85,7 +85,7 @@ class ServerConfig:
     data_parallel_size: int = 1  # vLLM's --data-parallel-size: replicas behind one endpoint
     gpu_memory_utilization: float = 0.85  # vLLM's share of each card's memory (accelerators)
     max_num_seqs: int | None = None  # vLLM's --max-num-seqs: sequences in one batch (None: vLLM's default)
-    max_num_batched_tokens: int | None = None  # chunked prefill: caps the long-tail prefill spikes
+    max_num_batched_tokens: int | None = None  # tokens per engine step; chunked prefill (not on CPU) caps spikes
     enforce_eager: bool = False  # vLLM's --enforce-eager: no graph capture (faster start, slower decode)
     kv_cache_space_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
     api_key_env: str | None = None  # name of the environment variable holding the API key, never the key

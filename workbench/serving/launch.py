@@ -68,6 +68,8 @@ def command(rr: Resolved, model_path: str) -> list[str]:
         cmd += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
     if s.enforce_eager:
         cmd += ["--enforce-eager"]
+    if platform == "cpu":
+        cmd += [CPU_NO_CHUNKED_PREFILL]
     # TRL's importance-sampling correction compares the trainer's logprobs with the server's after temperature.
     cmd += ["--logprobs-mode", "processed_logprobs"]
     if serves_lora(rr):
@@ -191,6 +193,14 @@ RESERVED_FLAGS = {
 }
 
 
+# vLLM 0.32's CPU build kills its engine core when a seeded request's prefill is split over engine steps: after a
+# partial prefill it rewinds the request's generator, which a CPU generator cannot do ("CPU Generator does not use
+# offset", gpu_model_runner._bookkeeping_sync). A trainer's requests are all seeded (training/seeding.py), and enough
+# of them in flight split a prefill: dynamic sampling's refills beside async ask-ahead did (104 requests, 2048
+# tokens in one step). Without chunked prefill a prompt waits for a step with room for all of it.
+CPU_NO_CHUNKED_PREFILL = "--no-enable-chunked-prefill"
+
+
 def _flag_name(arg: str) -> str:
     """`--api_key=x`, `--weight-transfer-config.backend` -> the option vLLM's parser sees (`--api-key`, ...)."""
     option = arg.split("=", 1)[0][2:].split(".", 1)[0]  # vLLM: dotted JSON sub-keys, underscores read as dashes
@@ -199,12 +209,22 @@ def _flag_name(arg: str) -> str:
 
 def check_extra_args(rr: Resolved) -> None:
     """server.extra_args may add vLLM flags, never replace the address, the key, the names and lengths the
-    workbench checks, or the weight-transfer engine it sets from server.weight_sync."""
+    workbench checks, the weight-transfer engine it sets from server.weight_sync, or a CPU server's chunked prefill
+    (off: CPU_NO_CHUNKED_PREFILL)."""
+    s = rr.recipe.server
+    if rr.platform == "cpu" and s.max_num_batched_tokens and s.max_num_batched_tokens < s.max_model_len:
+        raise WorkbenchError(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_model_len="
+                             f"{s.max_model_len}: a CPU server runs without chunked prefill, so one engine step must "
+                             "hold a whole prompt", f"set server.max_num_batched_tokens to at least {s.max_model_len}")
     for arg in rr.recipe.server.extra_args:
         arg = str(arg)
         if not arg.startswith("--") or len(arg) <= 2:
             continue
         name = _flag_name(arg)
+        if rr.platform == "cpu" and name in ("--enable-chunked-prefill", CPU_NO_CHUNKED_PREFILL):
+            raise WorkbenchError(f"server.extra_args contains {arg!r}: the workbench runs CPU servers without chunked "
+                                 "prefill (vLLM's CPU build stops its engine when a seeded request's prefill is split)",
+                                 "remove it from server.extra_args")
         for flag, knob in RESERVED_FLAGS.items():
             # argparse also takes an unambiguous prefix (`--hos` for `--host`)
             if name == flag or (len(name) >= 5 and flag.startswith(name)):
