@@ -544,9 +544,10 @@ def readme_block(results: dict[str, dict]) -> str:
         f = choice["figures"]
         means = "; ".join(f"{'the recipe' if c['name'] == 'recipe' else c['name']} {pct(c['mean_trained'])}"
                           for c in f["candidates"])
-        lines.append(f"The recipe's learning rate, chosen on the validation split over the same base models "
-                     f"(training seed {f['choose_seed']}, {choice['date'][:10]}), mean trained accuracy: {means}; "
-                     f"chosen: {f['chosen']}.")
+        lines.append(f"The recipe's learning rate, chosen on the validation split over base models "
+                     f"{', '.join(map(base_name, f['data_seeds'])) or '—'} (training seed {f['choose_seed']}, "
+                     f"{choice['date'][:10]}), mean trained accuracy: {means}; chosen: "
+                     f"{'the recipe' if f['chosen'] == 'recipe' else f['chosen']}.")
     if len(lines) == 1:
         lines.append("No figure is measured on this code yet: `make measure` writes them.")
     lines.append("Every figure, its machine and its command: [docs/results.md](docs/results.md).")
@@ -737,9 +738,13 @@ def results_page(results: dict[str, dict]) -> str:
 
 def apart(a: dict, b: dict) -> list[str]:
     """What keeps two results files' trainings from being the same trainings: other code (their code commits, or
-    their commits for a file without one), another machine."""
-    return [what for what, x, y in (("commit", a.get("code", a["commit"]), b.get("code", b["commit"])),
-                                    ("machine", a["machine"]["summary"], b["machine"]["summary"])) if x != y]
+    their commits for a file without one; a tree with uncommitted changes is other code), another machine, other
+    versions of the stack."""
+    differ = [what for what, x, y in (
+        ("another commit", a.get("code", a["commit"]), b.get("code", b["commit"])),
+        ("another machine", a["machine"]["summary"], b["machine"]["summary"]),
+        ("other versions of the stack", a.get("versions"), b.get("versions"))) if x != y]
+    return differ + ([] if a.get("clean", True) and b.get("clean", True) else ["a tree with uncommitted changes"])
 
 
 def repeats(choice: dict, protocol: dict | None) -> str | None:
@@ -774,10 +779,10 @@ def head_to_head(results: dict[str, dict]) -> tuple[list[dict], str | None]:
         return arms, "the protocol, its plain arm, is not measured"
     f = protocol["figures"]
     differs = apart(protocol, variants) + [what for what, a, b in (
-        ("base models", f["data_seeds"], arms[0]["data_seeds"]),
-        ("training seeds", f["seeds"], arms[0]["seeds"])) if a != b]
+        ("other base models", f["data_seeds"], arms[0]["data_seeds"]),
+        ("other training seeds", f["seeds"], arms[0]["seeds"])) if a != b]
     if differs:
-        return arms, f"the protocol, its plain arm, ran on another {' and '.join(differs)}"
+        return arms, f"the protocol, its plain arm, ran on {' and '.join(differs)}"
     return [{**f, "name": "recipe", "overrides": []}, *arms], None
 
 

@@ -408,6 +408,11 @@ def test_over_base_models_each_gain_against_its_own_base_and_every_candidate_hea
            "| 1,501 (1.00×) | +999.33 |" in measure.results_page(results)
     results["variants"]["code"] = "3" * 40
     assert "ran on another commit." in measure.results_page(results)
+    results["variants"]["code"] = "2" * 40
+    results["variants"]["versions"] = {"vllm": "0.33.0"}  # the same code on another stack is other trainings
+    assert "ran on other versions of the stack." in measure.results_page(results)
+    results["variants"] = {**results["protocol"], "figures": {"arms": [dyn]}, "clean": False}
+    assert "ran on a tree with uncommitted changes." in measure.results_page(results)
     # the choice as the results page shows it: every candidate per base on validation, the chosen one in bold
     choice = measure.choice_figures(measure.only_dir(tmp_path / "bases", "*-protocol"))
     assert choice["chosen"] == "dynamic" and [c["name"] for c in choice["candidates"]] == ["recipe", "dynamic"]
@@ -420,7 +425,8 @@ def test_over_base_models_each_gain_against_its_own_base_and_every_candidate_hea
     assert "| recipe | `(as the recipe)` | 50.0% | 70.0% | 60.0% |" in page
     assert "| **dynamic** | `rollout.dynamic_sampling=true` | 55.0% | 75.0% | **65.0%** |" in page
     assert "Chosen: **dynamic**." in page and "base 5 40.0% → 55.0%, base 6 60.0% → 75.0%" in page
-    assert "mean trained accuracy: the recipe 60.0%; dynamic 65.0%; chosen: dynamic." in measure.readme_block(
+    assert "over base models 5, 6 (training seed 0, 2026-12-04), mean trained accuracy: the recipe 60.0%; dynamic " \
+           "65.0%; chosen: dynamic." in measure.readme_block(
         {"choice": record(choice)})
     # a chosen protocol reports one arm, which a variant's measurement names; two arms cannot take one name
     chosen = measure.variants_figures(measure.only_dir(tmp_path / "bases", "*-protocol"), name="variant")

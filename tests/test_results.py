@@ -65,7 +65,8 @@ def test_a_protocol_results_file_ran_the_settings_its_measurement_runs_now():
     """The protocol's seeds and the variants' arms live in scripts/measure.py, not in the code MEASURED names: a
     changed setting must stale the file as a code change does."""
     results = measure.load_results()
-    for name, args in (("protocol", measure.PROTOCOL_ARGS), ("variants", measure.VARIANTS_ARGS)):
+    for name, args in (("protocol", measure.PROTOCOL_ARGS), ("variants", measure.VARIANTS_ARGS),
+                       ("choice", measure.CHOICE_ARGS)):
         if name in results:
             assert results[name]["command"] == measure.command_line(args), \
                 f"docs/results/{name}.json ran other settings than scripts/measure.py has now: run `make measure`"

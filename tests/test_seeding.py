@@ -76,12 +76,13 @@ def test_seeded_prompts_beyond_one_steps_token_budget_leave_the_cpu_server_servi
     from workbench.serving import launch
 
     assert "--no-enable-chunked-prefill" in launch.command(server_rr, "/m")
-    budget = server_rr.recipe.server.max_num_batched_tokens or 2048  # vLLM's CPU default
+    s = server_rr.recipe.server
+    budget = s.max_num_batched_tokens or max(s.max_model_len, 2048)  # vLLM's default (engine/arg_utils.py)
     length = 60
     # distinct first tokens, so the prefix cache cannot shrink a prefill (ids of the tiny model's 358 tokens)
     prompts = [[10 + i % 300] + [(7 * i + j) % 300 + 10 for j in range(length - 1)]
                for i in range(budget // length * 2)]
-    body = {"model": server_rr.recipe.server.served_model_name, "prompt": prompts, "max_tokens": 2,
+    body = {"model": s.served_model_name, "prompt": prompts, "max_tokens": 2,
             "temperature": 1.0, "seed": 7}
     done = requests.post(f"{tiny_server.url}/v1/completions", json=body, headers=server_rr.headers, timeout=240)
     assert done.status_code == 200, done.text[-500:]
