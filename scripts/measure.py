@@ -148,12 +148,13 @@ def load_results() -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))} if RESULTS.exists() else {}
 
 
-def workbench(args: list[str], log: Path) -> float:
-    """One workbench command, its output in `log`; its seconds. A failure stops the measurement with the log's tail."""
+def workbench(args: list[str], log: Path, env: dict[str, str] | None = None) -> float:
+    """One workbench command (with `env` added to the environment), its output in `log`; its seconds. A failure stops
+    the measurement with the log's tail."""
     started = time.time()
     with open(log, "w") as out:
         done = subprocess.run([str(Path(sys.executable).parent / "workbench"), *args], stdout=out,
-                              stderr=subprocess.STDOUT, cwd=REPO)
+                              stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})})
     if done.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise SystemExit(f"measure: `workbench {' '.join(args)}` failed ({done.returncode}); its log: {log}\n{tail}")
@@ -280,14 +281,21 @@ def measure_bench_100m(root: Path) -> tuple[str, float, dict]:
 _OVER_BASES = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", PROTOCOL_DATA_SEEDS]
 PROTOCOL_ARGS = [*_OVER_BASES, "--seeds", PROTOCOL_SEEDS]
 VARIANTS_ARGS = [*PROTOCOL_ARGS, *VARIANT[1]]
+# vLLM's server closes a keep-alive connection left idle 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE). A request sent on one as
+# the server closes it comes back "connection reset by peer", and the client does not send it again
+# (workbench/serving/sync.py `_bound_retries` retries no failed read). Dynamic sampling's refills leave pooled
+# connections idle that long: a training of this measurement died so at its step 80 (2026-12-04). Until the client
+# re-sends such a request, this measurement's server keeps idle connections open; no sampled token depends on it.
+VARIANTS_ENV = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "600"}
 CHOICE_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--data-seeds", PROTOCOL_DATA_SEEDS, "--choose-seed", "0",
                "--seeds", "1", *(a for name, overrides in CHOICE for a in ("--candidate", f"{name}: {overrides}"))]
 
 
-def command_line(args: list[str]) -> str:
+def command_line(args: list[str], env: dict[str, str] | None = None) -> str:
     """The workbench command as recorded (and as a shell takes it): tests/test_results.py compares a results file's
     command with what its measurement runs now, so a changed setting stales the file."""
-    return " ".join(["workbench", *(f'"{a}"' if " " in a else a for a in args)])
+    return " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), "workbench",
+                     *(f'"{a}"' if " " in a else a for a in args)])
 
 
 def measure_protocol(root: Path) -> tuple[str, float, dict]:
@@ -297,8 +305,9 @@ def measure_protocol(root: Path) -> tuple[str, float, dict]:
 
 def measure_variants(root: Path) -> tuple[str, float, dict]:
     """VARIANT's own protocol over the protocol's bases and seeds, reported on test (its plain arm: the protocol)."""
-    seconds = workbench([*VARIANTS_ARGS, f"monitor.runs_dir={root / 'variants'}"], root / "variants.log")
-    return (command_line(VARIANTS_ARGS), seconds,
+    seconds = workbench([*VARIANTS_ARGS, f"monitor.runs_dir={root / 'variants'}"], root / "variants.log",
+                        env=VARIANTS_ENV)
+    return (command_line(VARIANTS_ARGS, VARIANTS_ENV), seconds,
             variants_figures(only_dir(root / "variants", "*-protocol"), name=VARIANT[0]))
 
 

@@ -65,10 +65,11 @@ def test_a_protocol_results_file_ran_the_settings_its_measurement_runs_now():
     """The protocol's seeds and the variants' arms live in scripts/measure.py, not in the code MEASURED names: a
     changed setting must stale the file as a code change does."""
     results = measure.load_results()
-    for name, args in (("protocol", measure.PROTOCOL_ARGS), ("variants", measure.VARIANTS_ARGS),
-                       ("choice", measure.CHOICE_ARGS)):
+    for name, args, env in (("protocol", measure.PROTOCOL_ARGS, None),
+                            ("variants", measure.VARIANTS_ARGS, measure.VARIANTS_ENV),
+                            ("choice", measure.CHOICE_ARGS, None)):
         if name in results:
-            assert results[name]["command"] == measure.command_line(args), \
+            assert results[name]["command"] == measure.command_line(args, env), \
                 f"docs/results/{name}.json ran other settings than scripts/measure.py has now: run `make measure`"
 
 
