@@ -157,7 +157,7 @@ def workbench(args: list[str], log: Path, env: dict[str, str] | None = None) -> 
                               stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})})
     if done.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]
-        raise SystemExit(f"measure: `workbench {' '.join(args)}` failed ({done.returncode}); its log: {log}\n{tail}")
+        raise SystemExit(f"measure: `{command_line(args, env)}` failed ({done.returncode}); its log: {log}\n{tail}")
     return time.time() - started
 
 
