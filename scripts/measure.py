@@ -4,25 +4,36 @@
     MEASURE=--full make measure                   # + the bench at ~100M, its reload part by part
                                                   #   (scripts/reload_parts.py), the protocol over 3 bases x 3 seeds,
                                                   #   dynamic sampling over the same bases and seeds (variants),
-                                                  #   the recipe's learning rate chosen on validation (choice),
-                                                  #   make test
-    python scripts/measure.py --only bench        # one measurement (demo, bench, bench-100m, reload, protocol,
-                                                  #   variants, choice, suite)
+                                                  #   LoRA against full fine-tuning (lora), the recipe's learning
+                                                  #   rate chosen on validation (choice), make test
+    python scripts/measure.py --only lora         # one measurement (demo, bench, bench-100m, reload, protocol,
+                                                  #   variants, lora, choice, suite)
+    python scripts/measure.py --status            # per measurement: fresh, or which later commit staled it
     python scripts/measure.py --suite JUNIT.xml --commit SHA   # the suite's timing, from `make test`'s JUnit XML
     python scripts/measure.py --render            # docs/results.md and the README's block, from the files alone
 
 Each measurement runs the workbench's own commands (`workbench run`, `workbench bench`, `workbench protocol`; the
-reload's parts: vLLM's own reload, timed in-process) into
-runs/measure-<time>/ and writes docs/results/<name>.json: the commit it measured, whether the tree was clean, the
-date, the machine (CPU model and vector extensions, cores, memory), the versions, the command and its figures.
-docs/results.md and the block between the README's `<!-- measured:begin -->` and `<!-- measured:end -->` lines are
-rendered from those files and nothing else; tests/test_results.py fails when either differs from what the files
-render, or when a file is older than the last commit that changed the code it measured.
+reload's parts: vLLM's own reload, timed in-process) into runs/measure-<time>/ and writes docs/results/<name>.json:
+the commit it ran on, the code it measured (the last commit up to it that changed what the measurement depends
+on, MEASURED, and that commit's date), whether the tree was clean, the date, the machine (CPU model and vector
+extensions, cores, memory), the versions, the command and its figures. docs/results.md, the block between the
+README's `<!-- measured:begin -->` and `<!-- measured:end -->` lines and the `<!-- measured:begin NAME -->` blocks
+of other docs pages are rendered from those files and nothing else (tests/test_results.py).
+
+Figures are labelled, never frozen: a commit that changes measured code after a measurement leaves its figures in
+place, named by the code they measured; `--status` (`make status`, printed at the end of every CI run) says per
+measurement whether later commits changed that code, the first of them and how many.
+
+The measurements over base models and seeds (protocol, variants, lora) run one arm at a time: an arm is one
+training on one base with one seed, scored on the test split (`workbench protocol --report-all` restricted to that
+base and seed). Each finished arm is written at once to docs/results/pieces/<name>/<arm>.json, keyed by the code,
+the arm's command, the machine and the versions. Running the measurement again (in this session or a later one,
+once the pieces are committed) skips the arms already measured on the same key and goes on; any other key starts
+the measurement afresh. The results file is written only when every arm is done, and the pieces are then removed.
 
 A measurement refuses a tree whose measured code has uncommitted changes (the figure would name a commit that is
-not what ran). The suite's timing is the exception to freshness: it is measured by running the suite, so it is
-always of a commit before the one that records it, or of this one with the results still uncommitted (its commit
-and date are shown beside it).
+not what ran). The suite's timing is measured by running the suite, so it is always of a commit before the one
+that records it, or of this one with the results still uncommitted (its commit and date are shown beside it).
 """
 from __future__ import annotations
 
@@ -32,15 +43,19 @@ import math
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 from xml.etree import ElementTree
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"
+PIECES = RESULTS / "pieces"  # the finished arms of a measurement over bases and seeds, until all are done
 PAGE = REPO / "docs" / "results.md"
 README = REPO / "README.md"
 BEGIN, END = "<!-- measured:begin -->", "<!-- measured:end -->"
@@ -56,6 +71,12 @@ PROTOCOL_SEEDS = "1,2,3"
 # generation per step, so it trains fewer steps, to about the plain arm's generated tokens
 # (docs/async-and-bench.md).
 VARIANT = ("dynamic", ["rollout.dynamic_sampling=true", "trainer.max_steps=180"])
+# LoRA against full fine-tuning (docs/lora.md): the recipe with a rank-16 adapter on every linear layer at ten times
+# the recipe's learning rate (the usual rule for LoRA, fixed beforehand: not chosen on any split), on one base model
+# (data seed 0) with the protocol's training seeds. Its full arm is the protocol's trainings of that base and those
+# seeds (the same trainings under fixed seeds), compared only on the same code and machine, as the variants are.
+LORA = ("lora", ["peft.r=16", "peft.lora_alpha=32", "peft.target_modules=all-linear", "trainer.learning_rate=5e-4"])
+LORA_DATA_SEEDS = "0"
 # The recipe's learning rate, chosen on the validation split against these candidates over the protocol's bases
 # (training seed 0), then the chosen setting trained with seed 1 on test: `workbench protocol`'s own choice. Under
 # fixed seeds, the recipe's seed-1 test trainings repeat the protocol measurement's (results page: the check).
@@ -63,19 +84,21 @@ CHOICE = [("lr 1e-4", "trainer.learning_rate=1e-4"),
           ("lr 1.5e-4 warm-up 30", "trainer.learning_rate=1.5e-4 trainer.warmup_steps=30")]
 
 # What each measurement's figures depend on: a commit touching one of these after the measured commit makes the
-# file stale (tests/test_results.py). The notebooks `workbench run` executes are package data (workbench/notebooks).
+# figures stale (`--status`; a label, not a failure). The notebooks `workbench run` executes are package data
+# (workbench/notebooks).
 MEASURED = {
     "demo": ["workbench", "pyproject.toml", "Makefile"],
     "bench": ["workbench", "pyproject.toml"],
     "bench-100m": ["workbench", "pyproject.toml"],
     "protocol": ["workbench", "pyproject.toml"],
     "variants": ["workbench", "pyproject.toml"],
+    "lora": ["workbench", "pyproject.toml"],
     "choice": ["workbench", "pyproject.toml"],
     "reload": ["workbench", "pyproject.toml", "scripts/reload_parts.py"],
-    "suite": ["workbench", "tests", "pyproject.toml", "Makefile"],  # exempt from freshness (see above)
+    "suite": ["workbench", "tests", "pyproject.toml", "Makefile"],
 }
 QUICK = ["demo", "bench"]
-FULL = ["demo", "bench", "bench-100m", "reload", "protocol", "variants", "choice", "suite"]
+FULL = ["demo", "bench", "bench-100m", "reload", "protocol", "variants", "lora", "choice", "suite"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -133,15 +156,33 @@ def versions() -> dict:
             ("python", "torch", "vllm", "trl", "transformers", "accelerate", "peft")}
 
 
-def record(name: str, command: str, seconds: float, figures: dict, commit: str, clean: bool) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    data = {"name": name, "commit": commit, "code": code_commit(name, commit), "clean": clean,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": machine(), "versions": versions(), "command": command, "seconds": round(seconds, 1),
-            "figures": figures}
+def commit_date(commit: str, cwd: Path = REPO) -> str:
+    """A commit's date (committer's, YYYY-MM-DD): what the results page shows beside the code it measured."""
+    return git("log", "-1", "--format=%cs", commit, cwd=cwd)
+
+
+def where(name: str, commit: str) -> dict:
+    """What a measurement of `name` on `commit` runs on: the code (and its date), the machine, the versions."""
+    code = code_commit(name, commit)
+    return {"commit": commit, "code": code, "code_date": commit_date(code), "machine": machine(),
+            "versions": versions()}
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+def record(name: str, command: str, seconds: float, figures: dict, at: dict, clean: bool,
+           results: Path | None = None) -> Path:
+    """docs/results/<name>.json: the figures with where they were measured (`at`, from where())."""
     from workbench.rundir import write_atomic
 
-    return write_atomic(RESULTS / f"{name}.json", json.dumps(data, indent=2) + "\n")
+    results = results or RESULTS
+    results.mkdir(parents=True, exist_ok=True)
+    data = {"name": name, "commit": at["commit"], "code": at["code"], "code_date": at["code_date"], "clean": clean,
+            "date": now(), "machine": at["machine"], "versions": at["versions"], "command": command,
+            "seconds": round(seconds, 1), "figures": figures}
+    return write_atomic(results / f"{name}.json", json.dumps(data, indent=2) + "\n")
 
 
 def load_results() -> dict[str, dict]:
@@ -166,6 +207,56 @@ def only_dir(root: Path, pattern: str) -> Path:
     if len(found) != 1:
         raise SystemExit(f"measure: expected one {pattern} under {root}, found {[p.name for p in found]}")
     return found[0]
+
+
+def later_changes(name: str, commit: str, cwd: Path = REPO) -> list[str]:
+    """The commits after `commit` that changed what measurement `name` depends on, oldest first ('hash subject')."""
+    out = git("log", "--reverse", "--format=%h %s", f"{commit}..HEAD", "--", *MEASURED[name], cwd=cwd)
+    return out.splitlines() if out else []
+
+
+def current_command(name: str) -> str | None:
+    """The command measurement `name` runs now (None for those whose command is not a fixed setting)."""
+    if name in ARMED:
+        return ARMED[name].command
+    return {"choice": command_line(CHOICE_ARGS)}.get(name)
+
+
+def status_lines(results: dict[str, dict] | None = None, cwd: Path = REPO, pieces: Path | None = None) -> list[str]:
+    """One line per measurement: fresh, or stale (the first later commit that changed its code, and how many did;
+    or settings that differ from this script's), not measured, and any arms kept of one under way. A shallow clone
+    cannot tell and says so. Never a failure: figures are labelled, not frozen."""
+    results = load_results() if results is None else results
+    shallow = git("rev-parse", "--is-shallow-repository", cwd=cwd) == "true"
+    lines = []
+    for name in MEASURED:
+        r = results.get(name)
+        under_way = progress(name, pieces)
+        if r is None:
+            line = f"{name}: not measured"
+        else:
+            code = r.get("code", r["commit"])
+            line = f"{name}: measured code {code[:10]}" + (f" ({r['code_date']})" if r.get("code_date") else "")
+            known = subprocess.run(["git", "merge-base", "--is-ancestor", r["commit"], "HEAD"], cwd=cwd,
+                                   capture_output=True).returncode == 0
+            if shallow:
+                line += " - cannot tell whether it is fresh: a shallow clone (git fetch --unshallow, then again)"
+            elif not known:
+                line += f" - cannot tell whether it is fresh: its commit {r['commit'][:10]} is not in this history"
+            else:
+                later = later_changes(name, r["commit"], cwd)
+                command = current_command(name)
+                if later:
+                    line += (f" - stale: {len(later)} later commit(s) changed {', '.join(MEASURED[name])}, the "
+                             f"first {later[0][:80]}")
+                elif command is not None and r["command"] != command:
+                    line += " - stale: scripts/measure.py runs other settings now"
+                else:
+                    line += " - fresh"
+        if under_way:
+            line += f"; under way: {under_way} (python scripts/measure.py --only {name} goes on)"
+        lines.append(line)
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -278,9 +369,13 @@ def measure_bench_100m(root: Path) -> tuple[str, float, dict]:
 
 # --report-all: the demo's recipe is the setting measured, fixed beforehand; with no other candidate there is
 # nothing to choose, so no training on the validation split (9 trainings instead of 12)
+# --report-all: the demo's recipe is the setting measured, fixed beforehand; with no other candidate there is
+# nothing to choose, so no training on the validation split (9 trainings instead of 12)
 _OVER_BASES = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", PROTOCOL_DATA_SEEDS]
 PROTOCOL_ARGS = [*_OVER_BASES, "--seeds", PROTOCOL_SEEDS]
 VARIANTS_ARGS = [*PROTOCOL_ARGS, *VARIANT[1]]
+LORA_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", LORA_DATA_SEEDS, "--seeds",
+             PROTOCOL_SEEDS, *LORA[1]]
 # vLLM's server closes a keep-alive connection left idle 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE). A request sent on one as
 # the server closes it comes back "connection reset by peer", and the client does not send it again
 # (workbench/serving/sync.py `_bound_retries` retries no failed read). Dynamic sampling's refills leave pooled
@@ -292,23 +387,181 @@ CHOICE_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--data-seeds", PROTOCOL_DAT
 
 
 def command_line(args: list[str], env: dict[str, str] | None = None) -> str:
-    """The workbench command as recorded (and as a shell takes it): tests/test_results.py compares a results file's
-    command with what its measurement runs now, so a changed setting stales the file."""
+    """The workbench command as recorded (and as a shell takes it): `--status` compares a results file's command
+    with what its measurement runs now, so a changed setting labels the file stale."""
     return " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), "workbench",
                      *(f'"{a}"' if " " in a else a for a in args)])
 
 
-def measure_protocol(root: Path) -> tuple[str, float, dict]:
-    seconds = workbench([*PROTOCOL_ARGS, f"monitor.runs_dir={root / 'protocol'}"], root / "protocol.log")
-    return command_line(PROTOCOL_ARGS), seconds, protocol_figures(only_dir(root / "protocol", "*-protocol"))
+# ----------------------------------------------------------------------------------------------------------------
+# Measurements in arms: one training per base and seed, each kept as a piece as soon as it is done
+
+@dataclass(frozen=True)
+class Arm:
+    """One training of a measurement over bases and seeds: `workbench protocol --report-all` on one base (data
+    seed) with one training seed, scored on the test split."""
+
+    label: str
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def command(self) -> str:
+        return command_line(list(self.args), dict(self.env))
 
 
-def measure_variants(root: Path) -> tuple[str, float, dict]:
-    """VARIANT's own protocol over the protocol's bases and seeds, reported on test (its plain arm: the protocol)."""
-    seconds = workbench([*VARIANTS_ARGS, f"monitor.runs_dir={root / 'variants'}"], root / "variants.log",
-                        env=VARIANTS_ENV)
-    return (command_line(VARIANTS_ARGS, VARIANTS_ENV), seconds,
-            variants_figures(only_dir(root / "variants", "*-protocol"), name=VARIANT[0]))
+@dataclass(frozen=True)
+class Armed:
+    """A measurement made of arms: its whole command (what the results file records), its arms, and for a
+    head-to-head against the protocol, the arm's name and overrides (None: the protocol itself)."""
+
+    args: list[str]
+    arms: list[Arm]
+    env: dict[str, str] = field(default_factory=dict)
+    name: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def command(self) -> str:
+        return command_line(self.args, self.env)
+
+
+def over_bases(data_seeds: str, seeds: str, overrides: list[str] = (), env: dict[str, str] | None = None
+               ) -> list[Arm]:
+    """One arm per (base, seed): the protocol's command restricted to that base and that seed."""
+    return [Arm(f"base{d}-seed{s}", ("protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", d,
+                                     "--seeds", s, *overrides), tuple((env or {}).items()))
+            for d in data_seeds.split(",") for s in seeds.split(",")]
+
+
+ARMED = {
+    "protocol": Armed(PROTOCOL_ARGS, over_bases(PROTOCOL_DATA_SEEDS, PROTOCOL_SEEDS)),
+    "variants": Armed(VARIANTS_ARGS, over_bases(PROTOCOL_DATA_SEEDS, PROTOCOL_SEEDS, VARIANT[1], VARIANTS_ENV),
+                      VARIANTS_ENV, VARIANT[0], VARIANT[1]),
+    "lora": Armed(LORA_ARGS, over_bases(LORA_DATA_SEEDS, PROTOCOL_SEEDS, LORA[1]), {}, LORA[0], LORA[1]),
+}
+
+
+def run_arm(arm: Arm, root: Path) -> tuple[float, dict]:
+    """One arm: its protocol into root/<label>; its seconds and its training's figures (training_figures)."""
+    directory = root / arm.label
+    seconds = workbench([*arm.args, f"monitor.runs_dir={directory}"], root / f"{arm.label}.log", env=dict(arm.env))
+    result = load_protocol(only_dir(directory, "*-protocol"))
+    if len(result.test) != 1:
+        raise SystemExit(f"measure: {directory} holds {len(result.test)} test results, one expected")
+    return seconds, training_figures(result.test[0])
+
+
+def piece_key(at: dict) -> dict:
+    """What a piece must share with the measurement it goes on: the code, the machine and the stack's versions."""
+    return {"code": at["code"], "machine": at["machine"]["summary"], "versions": at["versions"]}
+
+
+def pieces_of(name: str, pieces: Path | None = None) -> dict[str, dict]:
+    """The finished arms of measurement `name`, by label."""
+    folder = (pieces or PIECES) / name
+    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))} if folder.exists() else {}
+
+
+def progress(name: str, pieces: Path | None = None) -> str | None:
+    """'5 of 9 arms on <code>' for a measurement under way, None when none of its arms is kept."""
+    have = pieces_of(name, pieces)
+    if not have or name not in ARMED:
+        return None
+    codes = sorted({p["code"][:10] for p in have.values()})
+    return f"{len(have)} of {len(ARMED[name].arms)} arms on {', '.join(codes)}"
+
+
+def measure_armed(name: str, armed: Armed, root: Path, at: dict, run: Callable[[Arm, Path], tuple[float, dict]]
+                  = run_arm, log: Callable[[str], None] = print, pieces: Path | None = None
+                  ) -> tuple[str, float, dict]:
+    """Every arm of `armed` not kept yet under the same key (piece_key, and the arm's command), one at a time, each
+    written as a piece when it ends; pieces of another key are removed first (the measurement starts afresh). When
+    all are done: the whole measurement's command, the arms' seconds summed, and its figures (assemble); the pieces
+    are removed once the caller has recorded them (drop_pieces)."""
+    from workbench.rundir import write_atomic
+
+    folder = (pieces or PIECES) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    key, labels = piece_key(at), {a.label: a for a in armed.arms}
+    have = pieces_of(name, pieces)
+    kept = {label: p for label, p in have.items()
+            if label in labels and p["command"] == labels[label].command and piece_key(p) == key}
+    if len(kept) < len(have):
+        log(f"measure: {name}: {len(have) - len(kept)} kept arm(s) of other code or settings; starting afresh")
+        for p in folder.glob("*.json"):
+            p.unlink()
+        kept = {}
+    if kept:
+        log(f"measure: {name}: {len(kept)} of {len(armed.arms)} arms kept on {short(at['code'])} "
+            f"({', '.join(kept)}); measuring the rest")
+    for arm in armed.arms:
+        if arm.label in kept:
+            continue
+        log(f"measure: {name}: arm {arm.label} ({len(kept) + 1} of {len(armed.arms)}): {arm.command}")
+        seconds, figures = run(arm, root)
+        piece = {"arm": arm.label, "command": arm.command, "commit": at["commit"], **key, "date": now(),
+                 "seconds": round(seconds, 1), "figures": figures}
+        write_atomic(folder / f"{arm.label}.json", json.dumps(piece, indent=2) + "\n")
+        kept[arm.label] = piece
+        log(f"measure: {name}: arm {arm.label} done in {seconds / 60:.1f} min -> {folder / arm.label}.json")
+    ordered = [kept[a.label] for a in armed.arms]
+    return armed.command, sum(p["seconds"] for p in ordered), assemble(armed, ordered)
+
+
+def drop_pieces(name: str, pieces: Path | None = None) -> None:
+    """After the results file is written: its arms live there."""
+    shutil.rmtree((pieces or PIECES) / name, ignore_errors=True)
+
+
+def assemble(armed: Armed, pieces: list[dict]) -> dict:
+    """The results file's figures from its arms' pieces: the protocol's own (arm_figures), or for a head-to-head
+    its one arm, named, with its overrides. Each arm's commit, date and seconds are kept ("arms")."""
+    trainings = [p["figures"] for p in pieces]
+    provenance = [{"arm": p["arm"], "commit": p["commit"], "date": p["date"], "seconds": p["seconds"]}
+                  for p in pieces]
+    if armed.name is None:
+        return {**arm_figures("recipe", trainings), "arms_measured": provenance}
+    return {"arms": [{**arm_figures("recipe", trainings), "name": armed.name, "overrides": list(armed.overrides)}],
+            "arms_measured": provenance}
+
+
+def training_figures(o) -> dict:
+    """One protocol Outcome, as the results files keep a training: its base, seed, test accuracies and gain
+    (points), shares of groups with spread (trained, generated), seconds, completion tokens, learning curve."""
+    return {"data_seed": o.data_seed, "seed": o.seed, "gain": o.gain * 100, "base": o.base, "trained": o.trained,
+            "signal": o.signal, "signal_generated": o.signal_generated, "train_seconds": o.train_seconds,
+            "generated_tokens": o.generated_tokens, "curve": training_curve(Path(o.run))}
+
+
+def arm_figures(name: str, trainings: list[dict], how: str = "settings fixed beforehand, every one reported"
+                ) -> dict:
+    """One setting over its trainings (training_figures): the gain's mean and sample sd, per base its mean gain and
+    base accuracy, the mean completion tokens and shares of groups with spread, and a headline saying what the ±
+    is. `how`: how the setting was arrived at."""
+    gains = [t["gain"] for t in trainings]
+    bases = list(dict.fromkeys(t["data_seed"] for t in trainings))
+    seeds = list(dict.fromkeys(t["seed"] for t in trainings))
+    sd = statistics.stdev(gains) if len(gains) > 1 else None
+    over = (f"{len(gains)} trainings ({len(bases)} base model(s) x {len(seeds)} seed(s))" if bases != [None]
+            else f"{len(gains)} seed(s)")
+    tokens = mean([t.get("generated_tokens") or None for t in trainings])
+    signal = mean([t.get("signal") for t in trainings])
+    generated = mean([t.get("signal_generated") for t in trainings])
+    cost = f"; {tokens:,.0f} completion tokens generated per training" if tokens else ""
+    if signal is not None and generated is not None:
+        cost += f"; groups with reward spread {signal:.0%} of those trained, {generated:.0%} of those generated"
+    base = statistics.fmean(t["base"] for t in trainings) * 100
+    trained = statistics.fmean(t["trained"] for t in trainings) * 100
+    headline = (f"{name}: test accuracy {base:.1f}% → {trained:.1f}%, gain {statistics.fmean(gains):+.1f}"
+                + (f" ± {sd:.1f}" if sd is not None else "") + f" points over {over} (mean ± sample std; {how})"
+                + cost)
+    return {"setting": name, "gains": trainings, "gain_mean": statistics.fmean(gains), "gain_std": sd,
+            "trainings": len(gains), "data_seeds": [d for d in bases if d is not None], "seeds": seeds,
+            "base_means": {str(d): statistics.fmean(t["gain"] for t in trainings if t["data_seed"] == d)
+                           for d in bases},
+            "base_accuracy": {str(t["data_seed"]): t["base"] for t in trainings},
+            "headline": headline, "generated_tokens": tokens, "signal": signal, "signal_generated": generated}
 
 
 def measure_choice(root: Path) -> tuple[str, float, dict]:
@@ -409,29 +662,15 @@ def load_protocol(path: Path):
 
 def protocol_figures(path: Path, name: str | None = None, result=None) -> dict:
     """What a `workbench protocol` directory says of setting `name` (default: the chosen, or the only reported one):
-    its test gain, mean and sample std over every (base, seed) training, each training's gain, per base its mean and
-    its base accuracy, the mean completion tokens a training generated and its shares of groups with reward spread
-    (trained, generated). `result`: the directory's Protocol, when the caller has loaded it already."""
+    arm_figures over its test trainings. `result`: the directory's Protocol, when the caller has loaded it already."""
     result = result or load_protocol(path)
     if not (result.chosen or result.reported):
         raise SystemExit(f"measure: {path} has no chosen or reported setting: the protocol did not finish")
     name = name or result.chosen or result.reported[0]
-    gains = [g * 100 for g in result.gains(name)]
-    test = [o for o in result.test if o.candidate == name]
-    figures = {"setting": name,
-               "gains": [{"data_seed": o.data_seed, "seed": o.seed, "gain": o.gain * 100, "base": o.base,
-                          "trained": o.trained, "signal": o.signal, "train_seconds": o.train_seconds,
-                          "generated_tokens": o.generated_tokens, "curve": training_curve(Path(o.run))}
-                         for o in test],
-               "gain_mean": statistics.fmean(gains), "gain_std": statistics.stdev(gains) if len(gains) > 1 else None,
-               "trainings": len(gains), "data_seeds": result.data_seeds, "seeds": result.seeds,
-               "base_means": {str(d): g for d, g in result.base_means(name).items()},
-               "base_accuracy": {str(o.data_seed): o.base for o in test},
-               "headline": result.headline(name),
-               "generated_tokens": mean([o.generated_tokens for o in test]),
-               "signal": mean([o.signal for o in test]),
-               "signal_generated": mean([o.signal_generated for o in test])}
-    return figures
+    how = ("settings fixed beforehand, every one reported" if result.report_all else
+           f"settings chosen on the validation split with seed {result.choose_seed}")
+    figures = arm_figures(name, [training_figures(o) for o in result.test if o.candidate == name], how)
+    return {**figures, "data_seeds": result.data_seeds, "seeds": result.seeds}
 
 
 def measure_suite(root: Path) -> tuple[str, float, dict]:
@@ -447,9 +686,9 @@ def measure_suite(root: Path) -> tuple[str, float, dict]:
     return "make test", time.time() - started, figures
 
 
+# the measurements run whole (ARMED: those run in arms)
 MEASURES = {"demo": measure_demo, "bench": measure_bench, "bench-100m": measure_bench_100m,
-            "protocol": measure_protocol, "variants": measure_variants, "choice": measure_choice,
-            "reload": measure_reload, "suite": measure_suite}
+            "choice": measure_choice, "reload": measure_reload, "suite": measure_suite}
 
 
 def suite_figures(junit: Path) -> dict:
@@ -530,23 +769,29 @@ def readme_block(results: dict[str, dict]) -> str:
         bases = ", ".join(f"{pct(a)}" for a in f["base_accuracy"].values())
         lines.append(f"The demo's recipe over {len(f['data_seeds'])} base models (test accuracy {bases}) × "
                      f"{len(f['seeds'])} training seeds (`workbench protocol`, {protocol['date'][:10]}): test gain "
-                     f"**{f['gain_mean']:+.1f}{spread} points**{span}. `make demo` trains base 0 with training seed "
+                     f"**{f['gain_mean']:+.1f}{spread} points** (mean ± sample sd over the {f['trainings']} "
+                     f"trainings){span}. `make demo` trains base 0 with training seed "
                      "0: compare it with base 0's trainings in docs/results.md.")
-    arms, apart = head_to_head(results)
-    if arms and not apart:
-        plain, *others = arms
+    for name, (what, _) in HEAD_TO_HEAD.items():
+        arms, differ = head_to_head(results, name)
+        if not arms or differ:
+            continue
+        plain, other = arms[0], arms[1]
 
         def gain(a: dict) -> str:
             return f"{a['gain_mean']:+.1f}" + (f" ± {a['gain_std']:.1f}" if a.get("gain_std") is not None else "")
 
-        def tokens(a: dict) -> str:
-            return (f" at {a['generated_tokens'] / plain['generated_tokens']:.2f}× the recipe's completion tokens"
-                    if a.get("generated_tokens") and plain.get("generated_tokens") else "")
-
-        listed = "; ".join(f"{a['name']} (`{' '.join(a['overrides'])}`) {gain(a)}{tokens(a)}" for a in others)
-        lines.append(f"Head to head on the same {len(plain['data_seeds']) or 1} base model(s), training seed(s) "
-                     f"{', '.join(map(str, plain['seeds']))} ({results['variants']['date'][:10]}), test gain in "
-                     f"points: the demo's recipe {gain(plain)}; {listed}.")
+        tokens = (f" at {other['generated_tokens'] / plain['generated_tokens']:.2f}× the recipe's completion tokens"
+                  if other.get("generated_tokens") and plain.get("generated_tokens") else "")
+        p = paired(plain, other)
+        diff = (f"; paired difference {p['mean']:+.1f} points (95% CI {p['ci'][0]:+.1f} to {p['ci'][1]:+.1f} over "
+                f"{p['n']} pairs: {'told apart from zero' if p['excludes_zero'] else 'not told apart from zero'})"
+                if p else "")
+        lines.append(f"{what[0].upper()}{what[1:]} (`{' '.join(other['overrides'])}`) against the recipe on "
+                     f"{len(plain['data_seeds']) or 1} base model(s) × training seed(s) "
+                     f"{', '.join(map(str, plain['seeds']))} ({results[name]['date'][:10]}): test gain "
+                     f"{gain(other)} against {gain(plain)} points (mean ± sample sd over {plain['trainings']} "
+                     f"trainings each){tokens}{diff}.")
     choice = results.get("choice")
     if choice:
         f = choice["figures"]
@@ -560,7 +805,8 @@ def readme_block(results: dict[str, dict]) -> str:
                      f"{named(f['chosen'])}.")
     if len(lines) == 1:
         lines.append("No figure is measured on this code yet: `make measure` writes them.")
-    lines.append("Every figure, its machine and its command: [docs/results.md](docs/results.md).")
+    lines.append("Every figure, its machine, its command and the code it measured: [docs/results.md](docs/results.md); "
+                 "which figures are older than the code: `make status`.")
     return "\n".join(lines + [END])
 
 
@@ -568,14 +814,26 @@ def results_page(results: dict[str, dict]) -> str:
     out = ["# Results", "",
            "Generated by `python scripts/measure.py` from docs/results/*.json: do not edit by hand. `make measure`",
            "(`--quick`: the demo and the tiny bench) or `MEASURE=--full make measure` (with the ~100M bench, its",
-           "reload part by part, the protocol over base models and seeds, the recipe against its variants, the",
-           "choice of its learning rate and the suite) measures them again on the current commit. Each section names",
-           "the commit it measured, the machine and the command.", ""]
+           "reload part by part, the protocol over base models and seeds, the recipe against dynamic sampling and",
+           "against LoRA, the choice of its learning rate and the suite) measures them again on the current commit.",
+           "",
+           "Each section names the code it measured: the last commit, up to the one it ran on, that changed what",
+           "the measurement depends on, with that commit's date. Later commits may have changed that code since;",
+           "the figures stay, labelled by the code that produced them. Which of them are older than the code now:",
+           "`make status` (`python scripts/measure.py --status`), which names, per measurement, the first later",
+           "commit that changed its code and how many did; every CI run prints it at its end.",
+           "",
+           "Every ± on this page is labelled: a gain's ± is the sample standard deviation over the trainings",
+           "named beside it; a paired difference comes with its 95% confidence interval (Student's t over the",
+           "pairs).", ""]
 
     def head(title: str, r: dict) -> list[str]:
         v = ", ".join(f"{k} {x}" for k, x in r["versions"].items())
-        return [f"## {title}", "", f"`{r['command']}` on commit `{short(r['commit'])}`, {r['date']}; "
-                                    f"{r['machine']['summary']}; {v}. {r['seconds'] / 60:.1f} min.", ""]
+        code = r.get("code", r["commit"])
+        return [f"## {title}", "", f"Measured code `{short(code)}`" + (f" ({r['code_date']})" if r.get("code_date")
+                                                                        else "")
+                + f": `{r['command']}` on commit `{short(r['commit'])}`, {r['date']}; {r['machine']['summary']}; {v}. "
+                f"{r['seconds'] / 60:.1f} min.", ""]
 
     demo = results.get("demo")
     if demo:
@@ -667,42 +925,8 @@ def results_page(results: dict[str, dict]) -> str:
         out += trainings_table([("", t) for t in f.get("gains") or []])
     else:
         out += ["Not measured on this code: `MEASURE=--full make measure` runs it (hours on two cores).", ""]
-    variants = results.get("variants")
-    arms, apart = head_to_head(results)
-    out += ["## The recipe against dynamic sampling", ""]
-    if arms:
-        plain = arms[0]
-        out += head("", variants)[2:]
-        out += ([f"Not compared with the recipe: {apart}. `python scripts/measure.py --only protocol --only "
-                 "variants` measures both on one commit.", ""] if apart else [])
-        out += [f"Each arm trained on each of {len(plain['data_seeds']) or 1} base model(s) with training "
-                f"seed(s) {', '.join(map(str, plain['seeds']))}, scored on the test split; gains are mean ± sample "
-                "std over those trainings."
-                + ("" if apart else " The recipe's arm is the protocol's trainings (the section above): under the "
-                   "same seeds a training repeats itself, so they are not trained twice.")
-                + " Completion tokens are what a training generated (refills included).", "",
-                "| arm | overrides | test: base → trained | gain (points) | per base | completion tokens per "
-                "training | points per 100k completion tokens (mean gain ÷ mean tokens) | groups with spread "
-                "(trained / generated) |",
-                "|---|---|---|---|---|---|---|---|"]
-        for a in arms:
-            base = statistics.fmean(t["base"] for t in a["gains"])
-            trained = statistics.fmean(t["trained"] for t in a["gains"])
-            spread = f" ± {a['gain_std']:.1f}" if a.get("gain_std") is not None else ""
-            tokens = a.get("generated_tokens")
-            ratio = (f" ({tokens / plain['generated_tokens']:.2f}×)" if tokens and plain.get("generated_tokens")
-                     and a is not plain and not apart else "")
-            per = f"{a['gain_mean'] / tokens * 1e5:+.2f}" if tokens else "—"
-            out.append(f"| {a['name']} | `{' '.join(a['overrides']) or '(as the recipe)'}` | {pct(base)} → "
-                       f"{pct(trained)} | {a['gain_mean']:+.1f}{spread} | "
-                       + ", ".join(f"{base_name(d)}: {g:+.1f}" for d, g in a["base_means"].items())
-                       + f" | {f'{tokens:,.0f}' if tokens else '—'}{ratio} | {per} | {pct(a.get('signal'))} / "
-                       f"{pct(a.get('signal_generated'))} |")
-        out.append("")
-        out += trainings_table([(a["name"], t) for a in arms for t in a["gains"]])
-    else:
-        out += ["Not measured on this code: `python scripts/measure.py --only variants` runs it (about an hour on "
-                "two cores), beside the protocol of the same commit.", ""]
+    for name, (what, title) in HEAD_TO_HEAD.items():
+        out += head_to_head_section(results, name, what, title, head)
     choice = results.get("choice")
     out += ["## The recipe's learning rate, chosen on validation", ""]
     if choice:
@@ -746,6 +970,57 @@ def results_page(results: dict[str, dict]) -> str:
     return "\n".join(out)
 
 
+def head_to_head_section(results: dict[str, dict], name: str, what: str, title: str,
+                         head: Callable[[str, dict], list[str]]) -> list[str]:
+    """The results page's section for head-to-head `name`: each arm's gain (mean ± sample sd), per base, completion
+    tokens, training time, groups with spread, the paired difference with its 95% interval, and each training."""
+    out = [f"## {title}", ""]
+    arms, differ = head_to_head(results, name)
+    if not arms:
+        return out + [f"Not measured yet: `python scripts/measure.py --only {name}` runs it, one arm at a time "
+                      "(resumable), beside the protocol of the same code.", ""]
+    plain = arms[0]
+    out += head("", results[name])[2:]
+    out += ([f"Not compared with the recipe: {differ}. `python scripts/measure.py --only protocol --only {name}` "
+             "measures both on one code.", ""] if differ else [])
+    out += [f"Each arm trained on {len(plain['data_seeds']) or 1} base model(s) "
+            f"({', '.join(map(base_name, plain['data_seeds'])) or '—'}) with training seed(s) "
+            f"{', '.join(map(str, plain['seeds']))}, scored on the test split; a gain is the mean ± sample sd over "
+            f"that arm's {plain['trainings']} trainings."
+            + ("" if differ else " The recipe's arm is the protocol's trainings of the same bases and seeds (above): "
+               "under the same seeds a training repeats itself, so they are not trained twice.")
+            + " Completion tokens are what a training generated (refills included); training s is a training's "
+            "wall time from its first step to its last, mean over the arm.", "",
+            "| arm | overrides | test: base → trained | gain (points, mean ± sample sd) | per base | completion "
+            "tokens per training | training s (mean) | points per 100k completion tokens (mean gain ÷ mean tokens) "
+            "| groups with spread (trained / generated) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for a in arms:
+        base = statistics.fmean(t["base"] for t in a["gains"])
+        trained = statistics.fmean(t["trained"] for t in a["gains"])
+        spread = f" ± {a['gain_std']:.1f}" if a.get("gain_std") is not None else ""
+        tokens = a.get("generated_tokens")
+        ratio = (f" ({tokens / plain['generated_tokens']:.2f}×)" if tokens and plain.get("generated_tokens")
+                 and a is not plain and not differ else "")
+        per = f"{a['gain_mean'] / tokens * 1e5:+.2f}" if tokens else "—"
+        seconds = mean([t.get("train_seconds") for t in a["gains"]])
+        out.append(f"| {a['name']} | `{' '.join(a['overrides']) or '(as the recipe)'}` | {pct(base)} → "
+                   f"{pct(trained)} | {a['gain_mean']:+.1f}{spread} | "
+                   + ", ".join(f"{base_name(d)}: {g:+.1f}" for d, g in a["base_means"].items())
+                   + f" | {f'{tokens:,.0f}' if tokens else '—'}{ratio} | "
+                   f"{f'{seconds:.0f}' if seconds is not None else '—'} | {per} | {pct(a.get('signal'))} / "
+                   f"{pct(a.get('signal_generated'))} |")
+    out.append("")
+    p = paired(plain, arms[1]) if not differ else None
+    if p:
+        out += ["Paired by (base, seed), " + arms[1]["name"] + " minus the recipe, in test points: "
+                + ", ".join(f"base {base_name(x['data_seed'])} seed {x['seed']} {x['difference']:+.1f}"
+                            for x in p["pairs"]) + ".", "",
+                f"**{paired_text(what, p)}.**", ""]
+    out += trainings_table([(a["name"], t) for a in arms for t in a["gains"]])
+    return out
+
+
 def apart(a: dict, b: dict) -> list[str]:
     """What keeps two results files' trainings from being the same trainings: other code (their code commits, or
     their commits for a file without one; a tree with uncommitted changes is other code), another machine, other
@@ -777,23 +1052,80 @@ def repeats(choice: dict, protocol: dict | None) -> str | None:
                f"**they differ** ({'; '.join(differ)}): a training does not repeat itself here (docs/recipes.md)."))
 
 
-def head_to_head(results: dict[str, dict]) -> tuple[list[dict], str | None]:
-    """The arms to compare: the plain one (the protocol's recipe), then the variants' arms, when both files measured
-    the same code (their code commits, or their commits for a file without one) on one machine over the same bases
-    and seeds; otherwise the variants' arms alone and what differs. No arms when the variants are not measured."""
-    variants, protocol = results.get("variants"), results.get("protocol")
-    arms = list(variants["figures"]["arms"]) if variants else []
+# The head-to-head measurements: each measures one setting over some of the protocol's (base, seed) pairs; the
+# protocol's trainings of the same pairs are its plain arm. Name -> (what the arm is called in prose, section title).
+HEAD_TO_HEAD = {"variants": ("dynamic sampling", "The recipe against dynamic sampling"),
+                "lora": ("LoRA", "LoRA against full fine-tuning")}
+
+
+def head_to_head(results: dict[str, dict], name: str = "variants") -> tuple[list[dict], str | None]:
+    """The arms to compare: the plain one (the protocol's recipe, over the same (base, seed) pairs as the other
+    arm), then measurement `name`'s arms, when both files measured the same code (their code commits, or their
+    commits for a file without one) on one machine; otherwise `name`'s arms alone and what differs. No arms when
+    `name` is not measured."""
+    other, protocol = results.get(name), results.get("protocol")
+    arms = list(other["figures"]["arms"]) if other else []
     if not arms:
         return [], None
     if protocol is None:
         return arms, "the protocol, its plain arm, is not measured"
     f = protocol["figures"]
-    differs = apart(protocol, variants) + [what for what, a, b in (
-        ("other base models", f["data_seeds"], arms[0]["data_seeds"]),
-        ("other training seeds", f["seeds"], arms[0]["seeds"])) if a != b]
+    theirs = {(t["data_seed"], t["seed"]): t for t in f["gains"]}
+    wanted = [(t["data_seed"], t["seed"]) for t in arms[0]["gains"]]
+    differs = apart(protocol, other) + (["other base models or training seeds"]
+                                        if any(k not in theirs for k in wanted) else [])
     if differs:
         return arms, f"the protocol, its plain arm, ran on {' and '.join(differs)}"
-    return [{**f, "name": "recipe", "overrides": []}, *arms], None
+    if len(wanted) == len(theirs):
+        plain = f
+    else:  # the protocol's trainings of the other arm's pairs only
+        plain = arm_figures("recipe", [theirs[k] for k in wanted])
+        if plain["signal_generated"] is None and f.get("signal_generated") == f.get("signal"):
+            plain["signal_generated"] = plain["signal"]  # no refills in the recipe: generated = trained
+    return [{**plain, "name": "recipe", "overrides": []}, *arms], None
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile (p > 0.5), by bisection on its CDF integrated with Simpson's rule: no scipy here."""
+    c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+
+    def cdf(x: float, n: int = 2000) -> float:
+        h = x / n
+        f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 1000.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def paired(plain: dict, other: dict) -> dict | None:
+    """`other` minus `plain`, training by training on the same (base, seed): each difference (test points), their
+    mean, sample sd and the mean's 95% interval (Student's t over the pairs), and whether it excludes zero. None
+    with fewer than two pairs."""
+    theirs = {(t["data_seed"], t["seed"]): t for t in plain["gains"]}
+    pairs = [{"data_seed": t["data_seed"], "seed": t["seed"], "difference": t["gain"] - theirs[k]["gain"]}
+             for t in other["gains"] if (k := (t["data_seed"], t["seed"])) in theirs]
+    if len(pairs) < 2:
+        return None
+    d = [p["difference"] for p in pairs]
+    m, sd = statistics.fmean(d), statistics.stdev(d)
+    half = t_quantile(0.975, len(d) - 1) * sd / math.sqrt(len(d))
+    return {"pairs": pairs, "n": len(d), "mean": m, "sd": sd, "ci": [m - half, m + half],
+            "excludes_zero": m - half > 0 or m + half < 0}
+
+
+def paired_text(what: str, p: dict) -> str:
+    """The paired difference in words: its mean, its 95% interval and whether it is told apart from zero."""
+    lo, hi = p["ci"]
+    verdict = (f"the interval excludes zero: {what} {'gains more' if p['mean'] > 0 else 'gains less'} than the "
+               "recipe on these pairs" if p["excludes_zero"] else
+               f"the interval includes zero: no difference between {what} and the recipe can be told apart over "
+               f"these {p['n']} pairs")
+    return (f"{what} minus the recipe, paired by base and seed: {p['mean']:+.1f} points (95% CI {lo:+.1f} to "
+            f"{hi:+.1f}, Student's t over {p['n']} pairs; sample sd of the differences {p['sd']:.1f}); {verdict}")
 
 
 def base_name(data_seed: int | str | None) -> str:
@@ -846,7 +1178,9 @@ def main(argv: list[str] | None = None) -> int:
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} (the default; under 30 min on 2 cores)")
     what.add_argument("--full", action="store_true", help=f"{', '.join(FULL)} (hours)")
-    what.add_argument("--only", choices=sorted(MEASURES), action="append", help="one measurement (repeatable)")
+    what.add_argument("--only", choices=sorted(MEASURED), action="append", help="one measurement (repeatable)")
+    what.add_argument("--status", action="store_true",
+                      help="per measurement: fresh, or stale with the first later commit that changed its code")
     what.add_argument("--suite", metavar="JUNIT", type=Path, help="record the suite's timing from this JUnit XML")
     what.add_argument("--render", action="store_true", help="only render docs/results.md and the README block")
     parser.add_argument("--commit", help="with --suite: the commit the suite ran on (default: HEAD)")
@@ -858,9 +1192,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         render()
         return 0
+    if args.status:
+        print("\n".join(status_lines()))
+        return 0
     if args.suite:
         commit = git("rev-parse", args.commit or "HEAD")  # a short or symbolic name, recorded in full
-        record("suite", args.command, 0.0, suite_figures(args.suite), commit, True)
+        record("suite", args.command, 0.0, suite_figures(args.suite), where("suite", commit), True)
         render()
         return 0
     names = args.only or (FULL if args.full else QUICK)
@@ -873,9 +1210,17 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True)
     print(f"measure: {', '.join(names)} on {short(commit)}; runs and logs in {root}", flush=True)
     for name in names:
-        started = time.time()
-        command, seconds, figures = MEASURES[name](root)
-        path = record(name, command, seconds, figures, commit, not changed)
+        started, at = time.time(), where(name, commit)
+        if name in ARMED:
+            if changed:
+                raise SystemExit(f"measure: {name} keeps its arms as pieces, keyed by their code: not on a tree "
+                                 "with uncommitted changes")
+            command, seconds, figures = measure_armed(name, ARMED[name], root, at,
+                                                      log=lambda line: print(line, flush=True))
+        else:
+            command, seconds, figures = MEASURES[name](root)
+        path = record(name, command, seconds, figures, at, not changed)
+        drop_pieces(name)
         print(f"measure: {name} in {(time.time() - started) / 60:.1f} min -> {path.relative_to(REPO)}", flush=True)
         render()  # after each: a later failure keeps what was measured
     return 0

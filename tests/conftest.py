@@ -134,6 +134,7 @@ def script(name: str):
 
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs: its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
