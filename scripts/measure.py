@@ -522,7 +522,7 @@ def assemble(armed: Armed, pieces: list[dict]) -> dict:
                   for p in pieces]
     if armed.name is None:
         return {**arm_figures("recipe", trainings), "arms_measured": provenance}
-    return {"arms": [{**arm_figures("recipe", trainings), "name": armed.name, "overrides": list(armed.overrides)}],
+    return {"arms": [{**arm_figures(armed.name, trainings), "name": armed.name, "overrides": list(armed.overrides)}],
             "arms_measured": provenance}
 
 
@@ -784,7 +784,7 @@ def readme_block(results: dict[str, dict]) -> str:
         tokens = (f" at {other['generated_tokens'] / plain['generated_tokens']:.2f}× the recipe's completion tokens"
                   if other.get("generated_tokens") and plain.get("generated_tokens") else "")
         p = paired(plain, other)
-        diff = (f"; paired difference {p['mean']:+.1f} points (95% CI {p['ci'][0]:+.1f} to {p['ci'][1]:+.1f} over "
+        diff = (f"; paired difference {p['mean']:+.1f} points (95% CI {bound(p['ci'][0])} to {bound(p['ci'][1])} over "
                 f"{p['n']} pairs: {'told apart from zero' if p['excludes_zero'] else 'not told apart from zero'})"
                 if p else "")
         lines.append(f"{what[0].upper()}{what[1:]} (`{' '.join(other['overrides'])}`) against the recipe on "
@@ -1117,6 +1117,11 @@ def paired(plain: dict, other: dict) -> dict | None:
             "excludes_zero": m - half > 0 or m + half < 0}
 
 
+def bound(x: float) -> str:
+    """An interval's end in points: one decimal, two where one would round it onto zero."""
+    return f"{x:+.2f}" if abs(x) < 0.05 else f"{x:+.1f}"
+
+
 def paired_text(what: str, p: dict) -> str:
     """The paired difference in words: its mean, its 95% interval and whether it is told apart from zero."""
     lo, hi = p["ci"]
@@ -1124,8 +1129,8 @@ def paired_text(what: str, p: dict) -> str:
                "recipe on these pairs" if p["excludes_zero"] else
                f"the interval includes zero: no difference between {what} and the recipe can be told apart over "
                f"these {p['n']} pairs")
-    return (f"{what} minus the recipe, paired by base and seed: {p['mean']:+.1f} points (95% CI {lo:+.1f} to "
-            f"{hi:+.1f}, Student's t over {p['n']} pairs; sample sd of the differences {p['sd']:.1f}); {verdict}")
+    return (f"{what} minus the recipe, paired by base and seed: {p['mean']:+.1f} points (95% CI {bound(lo)} to "
+            f"{bound(hi)}, Student's t over {p['n']} pairs; sample sd of the differences {p['sd']:.1f}); {verdict}")
 
 
 def base_name(data_seed: int | str | None) -> str:
