@@ -11,7 +11,7 @@ KERNEL  := grpo-workbench
 # the contract tests' second environment (vLLM 0.23.0, the Ascend row's): one-time, minutes, apart from the suite's time
 CONTRACT_ENV := .venv-vllm-0.23.0/.contract-env.json
 
-.PHONY: demo test test-fast contract-env lab install clean-venv wheelhouse measure
+.PHONY: demo test test-fast contract-env lab install clean-venv wheelhouse measure status
 
 install: $(STAMP)
 
@@ -38,13 +38,20 @@ demo: $(STAMP)
 	$(VENV)/bin/workbench run --recipe cpu-tiny-async
 
 # every figure the README and docs/results.md state, measured again on the current commit (scripts/measure.py):
-# --quick (the default) the demo and the bench on the demo's model, about 15 minutes on 2 cores; MEASURE=--full adds
-# the bench at ~100M parameters (~15 min), the reload part by part (~1 min), the protocol over three base models and
-# three seeds (~90 min), the recipe against dynamic sampling and the digits reward over the three bases (~80 min)
-# and the suite; MEASURE='--only NAME' measures one of them
+# --quick (the default) the demo and the bench on the demo's model, about 12 minutes on 2 cores; MEASURE=--full adds
+# the bench at ~100M parameters (~12 min), the reload part by part (~1 min), the protocol over three base models and
+# three seeds (~75 min), dynamic sampling over the same bases and seeds (~75 min), LoRA against full fine-tuning on
+# one base (~30 min), the recipe's learning rate chosen on validation (~75 min) and the suite; MEASURE='--only NAME'
+# measures one of them. Those over bases and seeds keep each finished training (docs/results/pieces/): run the same
+# command again, after a cut-off, to go on. `make status`: which figures are older than the code.
 MEASURE ?= --quick
 measure: $(STAMP)
 	$(PY) scripts/measure.py $(MEASURE)
+
+# per measurement: fresh, or stale with the first later commit that changed its code (a label, never a failure);
+# needs only git and Python, no install
+status:
+	@$(PYTHON) scripts/measure.py --status
 
 # JupyterLab on loopback (127.0.0.1:8888) with the project's kernel: open notebooks/ and work through the stages
 lab: $(STAMP)

@@ -248,7 +248,7 @@ def status_lines(results: dict[str, dict] | None = None, cwd: Path = REPO, piece
                 command = current_command(name)
                 if later:
                     line += (f" - stale: {len(later)} later commit(s) changed {', '.join(MEASURED[name])}, the "
-                             f"first {later[0][:80]}")
+                             f"first {later[0][:80]}" + (f"; the latest {later[-1][:80]}" if len(later) > 1 else ""))
                 elif command is not None and r["command"] != command:
                     line += " - stale: scripts/measure.py runs other settings now"
                 else:
@@ -486,7 +486,8 @@ def measure_armed(name: str, armed: Armed, root: Path, at: dict, run: Callable[[
     key, labels = piece_key(at), {a.label: a for a in armed.arms}
     have = pieces_of(name, pieces)
     kept = {label: p for label, p in have.items()
-            if label in labels and p["command"] == labels[label].command and piece_key(p) == key}
+            if label in labels and p["command"] == labels[label].command
+            and {k: p.get(k) for k in key} == key}
     if len(kept) < len(have):
         log(f"measure: {name}: {len(have) - len(kept)} kept arm(s) of other code or settings; starting afresh")
         for p in folder.glob("*.json"):
@@ -1159,11 +1160,45 @@ def trainings_table(trainings: list[tuple[str, dict]]) -> list[str]:
     return out + [""]
 
 
-def with_block(readme: str, block: str) -> str:
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+def with_block(readme: str, block: str, name: str = "") -> str:
+    """The page with its measured block (`<!-- measured:begin -->`, or `<!-- measured:begin NAME -->` on docs pages)
+    replaced by `block`."""
+    begin = BEGIN if not name else BEGIN.replace(" -->", f" {name} -->")
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(END), re.S)
     if not pattern.search(readme):
-        raise SystemExit(f"measure: README.md has no {BEGIN} ... {END} block to fill")
-    return pattern.sub(lambda _: block, readme, count=1)
+        raise SystemExit(f"measure: the page has no {begin} ... {END} block to fill")
+    return pattern.sub(lambda _: block if not name else block.replace(BEGIN, begin, 1), readme, count=1)
+
+
+def lora_block(results: dict[str, dict]) -> str:
+    """docs/lora.md's measured lines: LoRA against full fine-tuning, paired, with the code it measured."""
+    lines = [BEGIN]
+    arms, differ = head_to_head(results, "lora")
+    if not arms:
+        lines.append("Not measured yet.")
+    elif differ:
+        lines.append(f"Measured, but not comparable with full fine-tuning: {differ} (docs/results.md).")
+    else:
+        plain, lora = arms
+        r = results["lora"]
+        p = paired(plain, lora)
+        lines += [f"Measured code `{short(r['code'])}` ({r.get('code_date', r['date'][:10])}), "
+                  f"{r['machine']['summary']}: test gain **{lora['gain_mean']:+.1f} ± {lora['gain_std']:.1f}** with "
+                  f"LoRA against **{plain['gain_mean']:+.1f} ± {plain['gain_std']:.1f}** points with full fine-tuning "
+                  f"(mean ± sample sd over {lora['trainings']} trainings each, base "
+                  f"{', '.join(map(base_name, plain['data_seeds']))}, seeds {', '.join(map(str, plain['seeds']))}), "
+                  f"at {lora['generated_tokens'] / plain['generated_tokens']:.2f}× the completion tokens and "
+                  f"{mean([t['train_seconds'] for t in lora['gains']]) / mean([t['train_seconds'] for t in plain['gains']]):.2f}× "
+                  "the training time."]
+        if p:
+            lines.append(f"{paired_text('LoRA', p)}. Three pairs on one base model: a first reading, not a "
+                         "general finding.")
+    lines.append("Each training and its learning curve: [results.md](results.md#lora-against-full-fine-tuning).")
+    return "\n".join(lines + [END])
+
+
+# docs pages with a measured block of their own: the page and what renders its block
+DOC_BLOCKS = {"lora": (REPO / "docs" / "lora.md", lora_block)}
 
 
 def render() -> None:
@@ -1173,6 +1208,8 @@ def render() -> None:
     PAGE.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(PAGE, results_page(results))
     write_atomic(README, with_block(README.read_text(), readme_block(results)))
+    for name, (page, block) in DOC_BLOCKS.items():
+        write_atomic(page, with_block(page.read_text(), block(results), name))
 
 
 # ----------------------------------------------------------------------------------------------------------------
