@@ -392,20 +392,24 @@ def test_over_base_models_each_gain_against_its_own_base_and_every_candidate_hea
     results = {"protocol": record(recipe), "variants": record({"arms": [dyn]})}
     page = measure.results_page(results)
     assert ("| dynamic | `rollout.dynamic_sampling=true` | 50.0% → 65.0% | +15.0 ± 0.0 | —: +15.0 "
-            "| 1,501 (1.00×) | +999.33 |") in page
+            "| 1,501 (1.00×) | ") in page and " | +999.33 |" in page
     assert "| dynamic | — | 2 | 50.0% → 65.0% | +15.0 |" in page  # each training (the recipe's own base)
-    assert ("test gain in points: the demo's recipe +10.0 ± 0.0; dynamic (`rollout.dynamic_sampling=true`) +15.0 "
-            "± 0.0 at 1.00× the recipe's completion tokens.") in measure.readme_block(results)
+    assert ("Dynamic sampling (`rollout.dynamic_sampling=true`) against the recipe on 1 base model(s) × training "
+            "seed(s) 1, 2 (2026-12-04): test gain +15.0 ± 0.0 against +10.0 ± 0.0 points (mean ± sample sd over 2 "
+            "trainings each) at 1.00× the recipe's completion tokens") in measure.readme_block(results)
+    # paired by (base, seed): +5.0 on each, no spread, so an interval of zero width that excludes zero
+    assert "paired difference +5.0 points (95% CI +5.0 to +5.0 over 2 pairs: told apart from zero)" in \
+        measure.readme_block(results)
     # a plain arm from another commit is not compared with: the arm is shown alone, and why
     results["protocol"] = record(recipe, commit="1" * 40)
     page = measure.results_page(results)
     assert "Not compared with the recipe: the protocol, its plain arm, ran on another commit." in page
-    assert "(1.00×)" not in page and "Head to head" not in measure.readme_block(results)
+    assert "(1.00×)" not in page and "against the recipe on" not in measure.readme_block(results)
     # ... unless both measured the same code: a later commit that changed only docs or this script does not count
     results = {"protocol": {**record(recipe, commit="1" * 40), "code": "2" * 40},
                "variants": {**record({"arms": [dyn]}), "code": "2" * 40}}
     assert "| dynamic | `rollout.dynamic_sampling=true` | 50.0% → 65.0% | +15.0 ± 0.0 | —: +15.0 " \
-           "| 1,501 (1.00×) | +999.33 |" in measure.results_page(results)
+           "| 1,501 (1.00×) | " in measure.results_page(results)
     results["variants"]["code"] = "3" * 40
     assert "ran on another commit." in measure.results_page(results)
     results["variants"]["code"] = "2" * 40
