@@ -376,11 +376,11 @@ PROTOCOL_ARGS = [*_OVER_BASES, "--seeds", PROTOCOL_SEEDS]
 VARIANTS_ARGS = [*PROTOCOL_ARGS, *VARIANT[1]]
 LORA_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", LORA_DATA_SEEDS, "--seeds",
              PROTOCOL_SEEDS, *LORA[1]]
-# vLLM's server closes a keep-alive connection left idle 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE). A request sent on one as
-# the server closes it comes back "connection reset by peer", and the client does not send it again
-# (workbench/serving/sync.py `_bound_retries` retries no failed read). Dynamic sampling's refills leave pooled
-# connections idle that long: a training of this measurement died so at its step 80 (2026-12-04). Until the client
-# re-sends such a request, this measurement's server keeps idle connections open; no sampled token depends on it.
+# vLLM's server closes a keep-alive connection left idle 5 s by default (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a request sent
+# on one as it closed came back "connection reset by peer" and ended a training of this measurement at its step 80
+# (2026-12-04). Servers now keep idle connections for server.keep_alive_s and the client re-sends such requests
+# (docs/reliability.md); the variable stays in this measurement's recorded command so that its settings, and so its
+# pieces and results file, keep their key. No sampled token depends on it.
 VARIANTS_ENV = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "600"}
 CHOICE_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--data-seeds", PROTOCOL_DATA_SEEDS, "--choose-seed", "0",
                "--seeds", "1", *(a for name, overrides in CHOICE for a in ("--candidate", f"{name}: {overrides}"))]

@@ -116,3 +116,15 @@ def test_a_cpu_server_gets_huge_pages_added_to_the_users_glibc_tunables(monkeypa
     monkeypatch.delenv("GLIBC_TUNABLES")
     npu = recipe.resolve(recipe.load("ascend-910b-8card"), platform="npu")
     assert "GLIBC_TUNABLES" not in launch.environment(npu)
+
+
+def test_every_started_server_keeps_idle_connections_for_the_recipes_time(monkeypatch):
+    """server.keep_alive_s reaches vLLM as VLLM_HTTP_TIMEOUT_KEEP_ALIVE (its own default, 5 s, is shorter than a
+    step's scoring): on evaluation servers too, over a value inherited from the shell; server.env still decides."""
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")
+    assert launch.environment(_rr(), for_training=True)["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "600"
+    assert launch.environment(_rr("server.keep_alive_s=30"))["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "30"
+    env = launch.environment(_rr("server.keep_alive_s=30", "server.env.VLLM_HTTP_TIMEOUT_KEEP_ALIVE=90"))
+    assert env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "90"
+    with pytest.raises(WorkbenchError, match="server.keep_alive_s"):
+        _rr("server.keep_alive_s=0")

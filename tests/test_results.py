@@ -370,7 +370,11 @@ def test_every_plus_minus_on_the_results_page_and_the_readme_block_says_what_it_
 
 # Figure-like words in docs/ that state no measurement: settings, hardware counts, the pinned model's recorded score.
 NOT_MEASURED = {
-    "docs/async-and-bench.md": {"5 s": "vLLM's default keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), a setting"},
+    "docs/async-and-bench.md": {"5 s": "vLLM's default keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), a setting",
+                                "600 s": "server.keep_alive_s's default, a setting"},
+    "docs/reliability.md": {"5 s": "vLLM's default keep-alive, a setting",
+                            "0.5 s": "tests/test_keepalive.py's proxy idle limit, a setting",
+                            "6 s": "how long tests/test_keepalive.py leaves a connection idle, a setting"},
     "docs/evaluation.md": {"54.7%": "the tiny model's recorded accuracy (tinymodel.REFERENCE), checked by a test"},
     "docs/recipe-reference.md": {"10%": "the tiny model's cosine schedule ends at 10% of its rate, a setting"},
     "docs/recipes.md": {"8 ×": "8 prompts × 8 completions, and 8 × 910B cards: settings",

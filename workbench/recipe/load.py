@@ -301,6 +301,7 @@ def _ranges(recipe: Recipe) -> list[WorkbenchError]:
         _at_least("server.kv_cache_space_gib", s.kv_cache_space_gib, 1),
         _at_least("server.startup_timeout_s", s.startup_timeout_s, 0, strict=True),
         _at_least("server.request_timeout_s", s.request_timeout_s, 0, strict=True),
+        _at_least("server.keep_alive_s", s.keep_alive_s, 0, strict=True),
         _at_least("server.max_restarts", s.max_restarts, 0),
         _at_least("data.max_prompt_length", d.max_prompt_length, 1),
         _at_least("data.heldout_size", d.heldout_size, 0),

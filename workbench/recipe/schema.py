@@ -96,6 +96,9 @@ class ServerConfig:
     allow_remote_weight_updates: bool = False  # a non-loopback host that takes weight pushes: opt in, with a key
     max_restarts: int = 2  # a server that dies or hangs during training is restarted this often, then the run stops
     request_timeout_s: float = 600.0  # a generation request unanswered this long counts as a hung server
+    # seconds a started server keeps an idle connection open (VLLM_HTTP_TIMEOUT_KEEP_ALIVE; vLLM's own default, 5,
+    # is shorter than a step's scoring and optimisation): past the longest gap between two calls on one connection
+    keep_alive_s: int = 600
     extra_args: list[str] = field(default_factory=list)  # more vLLM flags, passed as they are
     # LoRA serving (weight_sync lora, or `workbench serve --for-training` with a peft: section): vLLM's runtime
     # adapters. Each training run holds one adapter, two for a moment while it swaps versions; several runs may

@@ -109,6 +109,10 @@ def environment(rr: Resolved, for_training: bool = False) -> dict[str, str]:
         del env["VLLM_LOGGING_LEVEL"]
     # A run's copied recipe.yaml has secret-looking values redacted (workbench/secrets.py): the placeholder must not
     # become the server's value; the variable inherited from this process (if any) applies instead.
+    # vLLM's API server closes a connection idle 5 s by default; a request the trainer sends on one as it closes is
+    # reset (the client sends those again, serving/sync.py, but each costs a round trip and a warning). The recipe's
+    # knob, not a value inherited from the shell; a variable in server.env still wins.
+    env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(rr.recipe.server.keep_alive_s)
     env.update({name: value for name, value in rr.server.env.items() if value != REDACTED})
     if rr.platform == "cpu":
         # vLLM's CPU platform runs the model in a third process (its "mp" executor: API server -> engine core ->

@@ -930,6 +930,66 @@ def _json_or_empty(response) -> dict:
     return response.json()
 
 
+# Requests that may be sent again when the server dropped their connection before any byte of an answer: they
+# ask for nothing the server keeps (generation, reads, a prefix-cache reset), or repeat what it already holds
+# (reloading the same weights file; a pooling or classification request). Not the NCCL weight-transfer calls: a
+# repeated /update_weights would wait for a broadcast that is never sent again. Not the adapter loads and unloads:
+# a second load of a name answers "already loaded", a second unload "not found".
+RESENDABLE = ("/v1/completions", "/v1/chat/completions", "/reset_prefix_cache", "/collective_rpc", "/health",
+              "/v1/models", "/server_info", "/get_world_size", "/metrics", "/pooling", "/classify", "/ping")
+_resent = {"count": 0}
+_resent_lock = threading.Lock()
+
+
+def resent_requests() -> int:
+    """How many requests this process has sent again after the server dropped their connection unanswered."""
+    return _resent["count"]
+
+
+def dropped_unanswered(error: BaseException | None) -> bool:
+    """urllib3's error for a connection the server reset or closed before any byte of its answer arrived (vLLM's
+    API server closes a keep-alive connection idle past VLLM_HTTP_TIMEOUT_KEEP_ALIVE; a request sent on it as it
+    closes is reset). Not a timeout (the server may still be working on that request), nor a body cut mid-way
+    (that is raised after the headers, outside the retries)."""
+    import http.client
+
+    from urllib3.exceptions import ProtocolError
+
+    if not isinstance(error, ProtocolError):
+        return False
+    cause = error.args[1] if len(error.args) > 1 else error.__cause__
+    return isinstance(cause, (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected)) and \
+        not isinstance(cause, TimeoutError)
+
+
+def resend_dropped_retry(resend: bool = True):
+    """The trainer's retry policy: a refused connection is tried again (3 times, with back-off), an answer of 500,
+    502 or 503 too; a read that timed out is not (a hung server is the recovery's to restart); a request of
+    RESENDABLE whose connection was dropped unanswered is sent again, counted and logged. `resend=False`: the
+    policy without that (what tests compare with)."""
+    from urllib.parse import urlsplit
+
+    from urllib3.util.retry import Retry
+
+    class ResendDropped(Retry):
+        def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+            path = urlsplit(url or "").path
+            if resend and response is None and dropped_unanswered(error) and path in RESENDABLE:
+                with _resent_lock:
+                    _resent["count"] += 1
+                    count = _resent["count"]
+                logger.warning("the server dropped the connection of %s %s before answering (%s); sending it again "
+                               "(%d request(s) re-sent so far)", method, path, error, count)
+                # counted as a failed connection: nothing of it reached an answer
+                from urllib3.exceptions import NewConnectionError
+
+                error = NewConnectionError(None, f"dropped before any answer: {error}")
+            return super().increment(method, url, response, error, _pool, _stacktrace)
+
+    return ResendDropped(total=3, connect=3, read=0, status=3, status_forcelist=[500, 502, 503], backoff_factor=1,
+                         allowed_methods=["POST", "GET"])
+
+
 class SyncingVLLMClient(VLLMClient):
     """TRL's VLLMClient with the weight path replaced by a `WeightSync` adapter (and an optional API key).
 
@@ -955,11 +1015,9 @@ class SyncingVLLMClient(VLLMClient):
 
     def _bound_retries(self) -> None:
         from requests.adapters import HTTPAdapter
-        from urllib3.util.retry import Retry
 
         pool = self.session.get_adapter(self.base_url)._pool_maxsize
-        retry = Retry(total=3, connect=3, read=0, status=3, status_forcelist=[500, 502, 503], backoff_factor=1,
-                      allowed_methods=["POST", "GET"])
+        retry = resend_dropped_retry()
         for prefix in ("http://", "https://"):
             self.session.mount(prefix, HTTPAdapter(max_retries=retry, pool_maxsize=pool))
 

@@ -69,6 +69,8 @@ class TrainSummary:
     # completion tokens sampled for training by every rank, refills included (a resumed run: since its resume)
     generated_tokens: int | None = None
     refill_prompts: int | None = None  # extra prompts dynamic sampling generated (training/dynamic.py)
+    # requests sent again, every rank, after the server dropped their connection unanswered (serving/sync.py)
+    resent_requests: int = 0
 
     def save(self, train_dir: TrainDir) -> Path:
         return write_atomic(train_dir.summary, json.dumps(asdict(self), indent=2))
@@ -205,6 +207,7 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
         from accelerate.utils import gather_object  # not gather_for_metrics: it trims to a dataloader's remainder
 
         generated = sum(gather_object([trainer._generated_total]))
+        resent = sum(gather_object([sync.resent_requests()]))
         if not main:
             return None
         trainer.processing_class.save_pretrained(str(train_dir.final))
@@ -215,7 +218,8 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
                                restarts=_restarts_recorded(train_dir),
                                resumed_from=_checkpoint_step(resume_from) if resume_from else None,
                                adapter=_adapter_record(rr, weight_sync, train_dir), generated_tokens=int(generated),
-                               refill_prompts=trainer.refill_prompts if trainer.dynamic is not None else None)
+                               refill_prompts=trainer.refill_prompts if trainer.dynamic is not None else None,
+                               resent_requests=int(resent))
         summary.save(train_dir)
         return summary
     finally:
@@ -441,5 +445,7 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False, ch
     summary.save(train_dir)
     overhead = summary.monitor
     log(f"done: {summary.steps} steps in {summary.train_seconds:.0f}s; final model {train_dir.final}"
+        + (f"; {summary.resent_requests} request(s) sent again after the server dropped their connection"
+           if summary.resent_requests else "")
         + (f"; sampler used {overhead['cpu_seconds']:.2f} CPU-s ({overhead['samples']} samples)" if overhead else ""))
     return summary
