@@ -267,6 +267,41 @@ def test_ranks_json_records_the_physical_card(device, visible, card):
     assert physical_card(torch.device(device), visible) == card
 
 
+INDEXLESS = """
+import json, os, sys
+import torch
+import accelerate.state as state
+from workbench.training.train import physical_card
+
+kind, visible = sys.argv[1], sys.argv[2]
+if kind == "npu":
+    torch.utils.rename_privateuse1_backend("npu")  # what importing torch_npu does
+state.get_torch_accelerator_backend = lambda *a, **k: (kind, None)  # the backend accelerate would detect there
+device = state.PartialState.default_device.fget(None)  # accelerate's own choice for a single process
+print(json.dumps({"device": str(device), "index": device.index, "card": physical_card(device, visible)}))
+"""
+
+
+@pytest.mark.parametrize("kind,visible,local_rank,card", [
+    ("cuda", "3,5", None, 3), ("npu", "4,5,6,7", None, 4), ("npu", "4,5,6,7", "2", 6), ("cuda", "", None, 0),
+])
+def test_a_single_trainers_indexless_device_records_its_card(kind, visible, local_rank, card, tmp_path):
+    """A single accelerator trainer: accelerate's device has no index (torch.device("cuda"), ("npu")); its card is
+    the backend's current device (here, without that backend, LOCAL_RANK or 0) in the visible list."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "probe.py").write_text(INDEXLESS)
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"} | ({"LOCAL_RANK": local_rank} if local_rank else {})
+    out = subprocess.run([sys.executable, str(tmp_path / "probe.py"), kind, visible], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["device"] == kind and got["index"] is None  # the indexless device accelerate really returns
+    assert got["card"] == card
+
+
 def test_a_node_started_with_other_settings_is_refused_by_every_rank():
     from workbench.errors import WorkbenchError
     from workbench.training.train import check_same_recipe, shared_settings

@@ -114,14 +114,28 @@ def shared_settings(rr: Resolved) -> str:
 def physical_card(device, visible: str | None) -> int | str | None:
     """The physical card a process's device is: its index into the visible-devices list the driver was given (the
     whole machine's numbering when none was)."""
-    index = getattr(device, "index", None)
-    if index is None or getattr(device, "type", "cpu") == "cpu":
+    kind = getattr(device, "type", "cpu")
+    if kind == "cpu":
         return None  # the CPU (a rank's device is cpu:0 under accelerate): the cores say where it runs
+    index = getattr(device, "index", None)
+    if index is None:  # a single process: accelerate gives torch.device("cuda") / ("npu"), the backend's current card
+        index = _current_index(kind)
     ids = [v.strip() for v in (visible or "").split(",") if v.strip()]
     if not ids:
         return index
     entry = ids[index] if index < len(ids) else None
     return int(entry) if entry is not None and entry.isdigit() else entry
+
+
+def _current_index(kind: str) -> int:
+    """The index an indexless device of backend `kind` means: that backend's current device (0 until a process sets
+    another); where the backend cannot say (not initialised, not this build), the process's LOCAL_RANK."""
+    import torch
+
+    try:
+        return int(torch.get_device_module(kind).current_device())
+    except Exception:  # torch without that backend (AssertionError, RuntimeError, AttributeError...)
+        return int(os.environ.get("LOCAL_RANK") or 0)
 
 
 def _rank_record(rr: Resolved, accelerator) -> dict:
