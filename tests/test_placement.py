@@ -193,12 +193,27 @@ def test_a_single_trainer_is_started_with_the_trainer_roles_environment(tmp_path
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["devices.trainer=[3,4,5,6]"], "devices [3] are given to both server and trainer on this node"),
+    (["devices.trainer=[3,4,5,6]"], "devices.server [0, 1, 2, 3] and devices.trainer [3, 4, 5, 6] share card(s) [3]"),
     (["devices.trainer=[4]", "distributed.processes=1"], "distributed.strategy=deepspeed with one trainer process"),
 ])
 def test_bad_splits_are_refused_before_anything_starts(overrides, expected):
     problems = launch.placement_problems(_resolve("ascend-910b-8card", overrides))
     assert any(expected in str(p) for p in problems), [str(p) for p in problems]
+
+
+def test_plan_refuses_two_roles_on_one_card_as_training_does():
+    """`workbench plan` said "fits" for a layout training refuses: each role planned the shared card for itself."""
+    from workbench import plan
+    from workbench.errors import WorkbenchError
+
+    for name, overrides, shared in (("cuda-2gpu", ["devices.trainer=[0]"], "[0]"),
+                                    ("ascend-910b-8card", ["devices.trainer=[3,4,5,6]"], "[3]")):
+        with pytest.raises(WorkbenchError, match=rf"share card\(s\) \{shared}"):
+            plan.plan(_resolve(name, overrides))
+    assert "fits" in plan.plan(_resolve("cuda-2gpu", [])).text()  # disjoint cards still plan
+    # one card for both on purpose: colocate plans the engine's share and the trainer's rest on it
+    text = plan.plan(_resolve("cuda-2gpu", ["server.mode=colocate", "devices.trainer=[0]"])).text()
+    assert "vLLM colocated" in text
 
 
 def test_a_single_cpu_trainer_with_role_variables_runs_in_a_process_that_has_them(smoke_run):

@@ -283,6 +283,11 @@ class Plan:
 
 
 def plan(rr: Resolved) -> Plan:
+    """The recipe's plan; two roles given one card are refused (training.launch.shared_cards), as training refuses
+    them, not planned as if each had the card to itself."""
+    shared = training_launch.shared_cards(rr)
+    if shared is not None:
+        raise shared
     card_gib = rr.recipe.distributed.device_memory_gib or CARD_GIB.get(rr.platform)
     warnings: list[str] = []
     shape, memory = None, []

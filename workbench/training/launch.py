@@ -135,16 +135,28 @@ def rank_command(rr: Resolved, train_dir: TrainDir) -> list[str]:
                   "--train-dir", str(train_dir.path)]
 
 
+def shared_cards(rr: Resolved) -> WorkbenchError | None:
+    """A server the training starts on node 0 and that node's trainer given the same card: each role plans the whole
+    card for itself (vLLM takes gpu_memory_utilization of it, the trainer the rest of what it finds), so the second
+    to start runs out of memory or fights the first for it. Sharing one card on purpose is server.mode=colocate."""
+    devices = rr.recipe.devices
+    overlap = sorted(set(devices.server) & set(devices.trainer))
+    if rr.platform == "cpu" or not rr.recipe.server.managed or not overlap:
+        return None
+    return WorkbenchError(
+        f"devices.server {list(devices.server)} and devices.trainer {list(devices.trainer)} share card(s) {overlap}: "
+        "the server and the trainer would each plan those cards' memory for themselves",
+        "give devices.server and devices.trainer disjoint device ids (one card for both: server.mode=colocate)")
+
+
 def placement_problems(rr: Resolved) -> list[WorkbenchError]:
     """What is wrong with the recipe's devices, nodes and strategy, found before any server starts or any run
     directory is written; one error each."""
     # (repeated or negative ids and a node_rank outside 0..nodes-1 are refused by the recipe loader already)
-    d, devices, problems = rr.recipe.distributed, rr.recipe.devices, []
-    overlap = sorted(set(devices.server) & set(devices.trainer))
-    if rr.platform != "cpu" and rr.recipe.server.managed and d.node_rank == 0 and overlap:
-        problems.append(WorkbenchError(
-            f"devices {overlap} are given to both server and trainer on this node",
-            "give devices.server and devices.trainer disjoint device ids (one card for both: server.mode=colocate)"))
+    d, problems = rr.recipe.distributed, []
+    shared = shared_cards(rr)
+    if shared is not None and d.node_rank == 0:  # another node's ranks run beside no server
+        problems.append(shared)
     if d.strategy != "ddp" and rr.trainer_processes * d.nodes == 1:
         problems.append(WorkbenchError(
             f"distributed.strategy={d.strategy} with one trainer process: accelerate is not used, so the strategy "
