@@ -46,6 +46,16 @@ CASES: list[tuple[list[str], str]] = [
     (TRAIN + ["server.weight_sync=magic"], "server.weight_sync is 'magic'"),
     (TRAIN + ["server.extra_args=[--host,0.0.0.0]"], "--host"),
     (TRAIN + ["server.extra_args=[--enable-chunked-prefill]"], "runs CPU servers without chunked prefill"),
+    # judged as vLLM's own parser reads them (serving/vllm_args): a prefix, a --config file, a checked knob, a typo
+    (TRAIN + ["server.extra_args=[--enable-chunked]"], "set --enable-chunked-prefill to True as vLLM reads them"),
+    (TRAIN + ["server.extra_args=[--config,{tmp}/vllm.yaml]"], "set --max-num-batched-tokens to 16 as vLLM reads them"),
+    (["plan", "--recipe", "cpu-tiny", "server.extra_args=[--max-num-batched-tokens,'16']"],
+     "set server.max_num_batched_tokens instead"),
+    (["serve", "--recipe", "cpu-tiny", "server.extra_args=[--max-num-sequences,'4']"],
+     "vLLM's parser refuses server.extra_args ['--max-num-sequences', '4']: vllm: error: unrecognized arguments"),
+    # every command that reads the server section checks them, not only serve and train
+    (["plan", "--recipe", "cpu-tiny", "server.extra_args=[--port,'9']"], "set server.port instead"),
+    (["recipe", "show", "cpu-tiny", "server.extra_args=[--port,'9']", "--check"], "set server.port instead"),
     (TRAIN + ["server.max_num_batched_tokens=64"], "one engine step must hold a whole prompt"),
     (TRAIN + ["server.host=0.0.0.0"], "server.host=0.0.0.0"),
     (TRAIN + ["server.sync_dir={tmp}/model-dir"], "server.sync_dir"),
@@ -119,6 +129,8 @@ def write_files(tmp: Path) -> None:
         "def two_args(prompts, completions):\n    return [0.0] * len(completions)\n\n"
         "def words(prompts, completions, **kwargs):\n    return ['short' for _ in completions]\n\n"
         "def capped(prompts, completions, limit=10, **kwargs):\n    return [0.0] * len(completions)\n")
+    # a vLLM config file (`vllm serve --config`): the port is overridden by the workbench's own flag, the batch cap not
+    (tmp / "vllm.yaml").write_text("port: 9\nmax-num-batched-tokens: 16\n")
     (tmp / "model-dir").mkdir(exist_ok=True)
     (tmp / "model-dir" / "config.json").write_text("{}")
 

@@ -120,7 +120,8 @@ def test_overlapping_accelerator_devices_are_refused():
 
     # the recipe loads (the server node of a two-node run may serve with it); starting both on one node is refused
     overlapping = recipe.load("ascend-910b-8card", ["devices.trainer=[3,4,5,6]"])
-    with pytest.raises(WorkbenchError, match=r"devices \[3\] are given to both") as info:
+    shared = r"devices.server \[0, 1, 2, 3\] and devices.trainer \[3, 4, 5, 6\] share card\(s\) \[3\]"
+    with pytest.raises(WorkbenchError, match=shared) as info:
         check_device_split(recipe.resolve(overlapping))
     assert "\n" not in str(info.value) and "fix:" in str(info.value)
     check_device_split(recipe.resolve(recipe.load("ascend-910b-8card")))  # the shipped split is disjoint

@@ -45,10 +45,17 @@ def _recipe_args(p: argparse.ArgumentParser, default: str | None = "cpu-tiny") -
                    help="override recipe values, e.g. trainer.learning_rate=5e-6 server.port=8011")
 
 
-def _resolved(args: argparse.Namespace):
+def _resolved(args: argparse.Namespace, server: bool = True):
+    """The command's recipe, resolved; with `server`, its server.extra_args checked as vLLM reads them (every
+    command that reads the server section: plan, serve, train, run, eval, env...), before anything starts."""
     from workbench import recipe  # lazy: yaml
 
-    return recipe.resolve(recipe.load(args.recipe or "cpu-tiny", args.overrides))
+    rr = recipe.resolve(recipe.load(args.recipe or "cpu-tiny", args.overrides))
+    if server:
+        from workbench.serving import launch  # lazy: requests
+
+        launch.check_extra_args(rr)
+    return rr
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -64,6 +71,9 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     if not args.name:
         raise WorkbenchError("`workbench recipe show` needs a recipe name", f"use one of: {', '.join(recipe.available())}")
     rr = recipe.resolve(recipe.load(args.name, args.overrides))
+    from workbench.serving import launch as serving_launch  # lazy: requests
+
+    serving_launch.check_extra_args(rr)  # before printing: a recipe vLLM would read otherwise is not shown as valid
     print(rr.recipe.to_yaml(), end="")
     d = rr.describe()
     print(f"# resolved: platform {d['platform']}, model {d['model_path']}, weight sync {d['weight_sync']}, "
@@ -92,7 +102,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from workbench import tinymodel  # lazy: yaml
 
-    rr = _resolved(args)
+    rr = _resolved(args, server=False)
     print(tinymodel.ensure(rr.recipe, force=args.force))
     return 0
 

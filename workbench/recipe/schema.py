@@ -99,7 +99,9 @@ class ServerConfig:
     # seconds a started server keeps an idle connection open (VLLM_HTTP_TIMEOUT_KEEP_ALIVE; vLLM's own default, 5,
     # is shorter than a step's scoring and optimisation): past the longest gap between two calls on one connection
     keep_alive_s: int = 600
-    extra_args: list[str] = field(default_factory=list)  # more vLLM flags, passed as they are
+    # more vLLM flags, passed as they are; refused when vLLM's own parser (a --config file, a prefix included) reads
+    # them as changing what the workbench sets or checks (serving/launch.check_extra_args)
+    extra_args: list[str] = field(default_factory=list)
     # LoRA serving (weight_sync lora, or `workbench serve --for-training` with a peft: section): vLLM's runtime
     # adapters. Each training run holds one adapter, two for a moment while it swaps versions; several runs may
     # share the server (--max-loras and --max-cpu-loras are both lora_slots)

@@ -21,14 +21,16 @@ cache after each push, the reload sync calls /collective_rpc, nccl/hccl the weig
 server.weight_sync=none, TRL still needs /server_info and /reset_prefix_cache. A server that only serves (evaluation,
 the serving sweep, plain `workbench serve`) gets none of them. So a server on a network address that a trainer uses
 needs server.allow_remote_weight_updates=true and an API key (`check_exposure`), and `server.extra_args` cannot
-override what the workbench sets and checks (`check_extra_args`).
+override what the workbench sets and checks, as vLLM's own parser reads them (`check_extra_args`).
 """
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import os
 import socket
+import subprocess
 import sys
 
 from workbench.errors import WorkbenchError
@@ -214,7 +216,8 @@ def _flag_name(arg: str) -> str:
 def check_extra_args(rr: Resolved) -> None:
     """server.extra_args may add vLLM flags, never replace the address, the key, the names and lengths the
     workbench checks, the weight-transfer engine it sets from server.weight_sync, or a CPU server's chunked prefill
-    (off: CPU_NO_CHUNKED_PREFILL)."""
+    (off: CPU_NO_CHUNKED_PREFILL). The flag names first (no process), then the values as vLLM's own parser reads
+    them (check_extra_args_parsed)."""
     s = rr.recipe.server
     if rr.platform == "cpu" and s.max_num_batched_tokens and s.max_num_batched_tokens < s.max_model_len:
         raise WorkbenchError(f"server.max_num_batched_tokens={s.max_num_batched_tokens} is below server.max_model_len="
@@ -235,6 +238,72 @@ def check_extra_args(rr: Resolved) -> None:
                 raise WorkbenchError(f"server.extra_args contains {arg!r}, which would override {flag} that the "
                                      "workbench sets (and its checks and clients rely on)",
                                      f"remove it from server.extra_args and set {knob} instead")
+    check_extra_args_parsed(rr)
+
+
+# What the workbench sets or checks, by the name vLLM's parser stores it under, and the knob to use instead: a value of
+# these that server.extra_args changes, as vLLM reads them, would disagree with the recipe the checks read.
+PARSED_KNOBS = {
+    "host": "server.host", "port": "server.port", "uds": "server.host / server.port",
+    "api_key": "server.api_key_env (the name of a variable holding the key)",
+    "model_tag": "model.path", "model": "model.path", "served_model_name": "server.served_model_name",
+    "max_model_len": "server.max_model_len", "dtype": "server.dtype",
+    "tensor_parallel_size": "server.tensor_parallel_size", "data_parallel_size": "server.data_parallel_size",
+    "gpu_memory_utilization": "server.gpu_memory_utilization", "max_num_seqs": "server.max_num_seqs",
+    "max_num_batched_tokens": "server.max_num_batched_tokens", "enforce_eager": "server.enforce_eager",
+    "weight_transfer_config": "server.weight_sync",
+    "enable_lora": "a peft: section (the server then loads the run's adapters)",
+    "max_lora_rank": "server.max_lora_rank", "max_loras": "server.lora_slots", "max_cpu_loras": "server.lora_slots",
+    "logprobs_mode": "nothing: TRL's importance-sampling correction compares the trainer's log-probs with the "
+                     "server's processed ones (--logprobs-mode processed_logprobs)",
+}
+# A CPU server runs without chunked prefill (CPU_NO_CHUNKED_PREFILL): nothing may split a prompt's prefill again.
+CPU_PARSED_KNOBS = {
+    "enable_chunked_prefill": "nothing: a CPU server runs without chunked prefill",
+    "long_prefill_token_threshold": "nothing: it splits a long prompt's prefill, which a CPU server cannot do",
+    "max_num_partial_prefills": "nothing: partial prefills split a prompt, which a CPU server cannot do",
+}
+
+
+@functools.lru_cache(maxsize=32)
+def _vllm_reads(argvs: tuple[tuple[str, ...], ...]) -> dict:
+    from workbench.serving import vllm_args
+
+    return vllm_args.parse([list(a) for a in argvs])
+
+
+def check_extra_args_parsed(rr: Resolved) -> None:
+    """server.extra_args as vLLM's own `vllm serve` parser reads them (serving/vllm_args: prefixes, underscores,
+    `=`, a --config YAML): refused when vLLM would not take them, or when they change a value the workbench sets
+    or checks (PARSED_KNOBS), with the knob to use instead. A process of its own (about 10 s), once per
+    command line and process; nothing to do without extra_args."""
+    extra = tuple(str(a) for a in rr.recipe.server.extra_args)
+    if not extra:
+        return
+    full = command(rr, rr.model_path)
+    own = full[full.index("serve") + 1:len(full) - len(extra)]
+    try:
+        answer = _vllm_reads((tuple(own), tuple(own) + extra))
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        raise WorkbenchError(f"server.extra_args {list(extra)} could not be read with vLLM's parser ({exc})",
+                             "check that vLLM imports here (workbench env), or remove server.extra_args") from None
+    if "error" in answer:
+        raise WorkbenchError(f"vLLM's parser refuses server.extra_args {list(extra)}: {answer['error']}",
+                             "fix or remove the flag (`vllm serve --help` lists what this vLLM takes)")
+    before, after = answer["parsed"]
+    knobs = dict(PARSED_KNOBS)
+    if rr.platform == "cpu":
+        knobs.pop("gpu_memory_utilization")  # not read by the CPU build (its KV cache is server.kv_cache_space_gib)
+        knobs.update(CPU_PARSED_KNOBS)
+    for key, knob in knobs.items():
+        if key in after and before.get(key) != after[key]:
+            what = "the model" if key in ("model", "model_tag") else "--" + key.replace("_", "-")
+            fix = (f"remove it from server.extra_args and set {knob} instead" if not knob.startswith("nothing")
+                   else f"remove it from server.extra_args ({knob.removeprefix('nothing: ')})")
+            own_value = ("which the recipe leaves to vLLM's default" if before.get(key) is None
+                         else f"where the recipe's command sets {before.get(key)!r}")
+            raise WorkbenchError(f"server.extra_args {list(extra)} set {what} to {after[key]!r} as vLLM reads them, "
+                                 f"{own_value}", fix)
 
 
 def check_exposure(rr: Resolved, for_training: bool = False) -> None:
