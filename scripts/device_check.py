@@ -23,6 +23,14 @@ import time
 from pathlib import Path
 
 
+def single_trainer_placed(rank: dict, platform: str, last: int) -> bool:
+    """The trainer's ranks.json entry says it ran with the trainer role's environment and, on a GPU, on the last
+    card: CUDA_VISIBLE_DEVICES is that card alone, its device is CUDA's and its physical card is that card."""
+    visible = rank["env"].get("CUDA_VISIBLE_DEVICES")
+    return rank["env"].get("WORKBENCH_DEVICE_CHECK") == "trainer-role" and (
+        platform == "cpu" or (rank["card"] == last and visible == str(last) and rank["device"].startswith("cuda")))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -86,9 +94,7 @@ def main() -> int:
                f"{len(losses)} steps, losses {[round(x, 4) for x in losses]}")
         (rank,) = json.loads((train / "ranks.json").read_text())
         visible = rank["env"].get("CUDA_VISIBLE_DEVICES")
-        placed = rank["env"].get("WORKBENCH_DEVICE_CHECK") == "trainer-role" and (
-            args.platform == "cpu" or (rank["card"] == last and visible == str(last)
-                                       and rank["device"].startswith("cuda")))
+        placed = single_trainer_placed(rank, args.platform, last)
         # on one GPU the trainer's card is 0 whether or not it was placed: only two or more GPUs prove placement
         proven = "" if gpus >= 2 or args.platform == "cpu" else " (one GPU: card 0 either way, placement not proven)"
         record("single trainer placed", placed, f"device {rank['device']}, physical card {rank['card']}, "

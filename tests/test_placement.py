@@ -284,37 +284,69 @@ def test_ranks_json_records_the_physical_card(device, visible, card):
 
 INDEXLESS = """
 import json, os, sys
+from types import SimpleNamespace
+
 import torch
 import accelerate.state as state
-from workbench.training.train import physical_card
+from workbench.training.train import _rank_record, physical_card
 
-kind, visible = sys.argv[1], sys.argv[2]
-if kind == "npu":
-    torch.utils.rename_privateuse1_backend("npu")  # what importing torch_npu does
-state.get_torch_accelerator_backend = lambda *a, **k: (kind, None)  # the backend accelerate would detect there
-device = state.PartialState.default_device.fget(None)  # accelerate's own choice for a single process
-print(json.dumps({"device": str(device), "index": device.index, "card": physical_card(device, visible)}))
+torch.utils.rename_privateuse1_backend("npu")  # what importing torch_npu does
+for kind, visible, local_rank in json.loads(sys.argv[1]):
+    os.environ.pop("LOCAL_RANK", None)
+    if local_rank is not None:
+        os.environ["LOCAL_RANK"] = local_rank
+    state.get_torch_accelerator_backend = lambda *a, k=kind, **kw: (k, None)  # the backend accelerate would detect
+    device = state.PartialState.default_device.fget(None)  # accelerate's own choice for a single process
+    print(json.dumps({"device": str(device), "index": device.index, "card": physical_card(device, visible)}))
+# the rank record a single trainer on the last of 4 GPUs writes, as scripts/device_check.py reads it
+from workbench import recipe
+
+os.environ.pop("LOCAL_RANK", None)
+os.environ.update(CUDA_VISIBLE_DEVICES="3", WORKBENCH_DEVICE_CHECK="trainer-role")
+rr = recipe.resolve(recipe.load("smoke", ["devices.platform=cuda", "server.mode=off", "devices.trainer=[3]",
+                                          "devices.server=[0]", "devices.env.WORKBENCH_DEVICE_CHECK=trainer-role"]))
+print(json.dumps(_rank_record(rr, SimpleNamespace(process_index=0, local_process_index=0, device=torch.device("cuda")))))
 """
+# (kind, CUDA/ASCEND visible devices, LOCAL_RANK) -> the card ranks.json must record
+INDEXLESS_CASES = [(("cuda", "3,5", None), 3), (("npu", "4,5,6,7", None), 4), (("npu", "4,5,6,7", "2"), 6),
+                   (("cuda", "", None), 0)]
 
 
-@pytest.mark.parametrize("kind,visible,local_rank,card", [
-    ("cuda", "3,5", None, 3), ("npu", "4,5,6,7", None, 4), ("npu", "4,5,6,7", "2", 6), ("cuda", "", None, 0),
-])
-def test_a_single_trainers_indexless_device_records_its_card(kind, visible, local_rank, card, tmp_path):
-    """A single accelerator trainer: accelerate's device has no index (torch.device("cuda"), ("npu")); its card is
-    the backend's current device (here, without that backend, LOCAL_RANK or 0) in the visible list."""
+@pytest.fixture(scope="module")
+def indexless_probe(tmp_path_factory) -> list[dict]:
+    """One process (torch, accelerate and the workbench's imports once): each case's device and card, then a
+    single trainer's rank record."""
     import json
     import subprocess
     import sys
 
-    (tmp_path / "probe.py").write_text(INDEXLESS)
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"} | ({"LOCAL_RANK": local_rank} if local_rank else {})
-    out = subprocess.run([sys.executable, str(tmp_path / "probe.py"), kind, visible], capture_output=True, text=True,
-                         env=env, timeout=120)
+    probe = tmp_path_factory.mktemp("indexless") / "probe.py"
+    probe.write_text(INDEXLESS)
+    out = subprocess.run([sys.executable, str(probe), json.dumps([case for case, _ in INDEXLESS_CASES])],
+                         capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})
     assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["device"] == kind and got["index"] is None  # the indexless device accelerate really returns
-    assert got["card"] == card
+    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(INDEXLESS_CASES) - 1:]]
+
+
+def test_a_single_trainers_indexless_device_records_its_card(indexless_probe):
+    """A single accelerator trainer: accelerate's device has no index (torch.device("cuda"), ("npu")); its card is
+    the backend's current device (here, without that backend, LOCAL_RANK or 0) in the visible list."""
+    for ((kind, visible, local_rank), card), got in zip(INDEXLESS_CASES, indexless_probe):
+        assert got["device"] == kind and got["index"] is None  # the indexless device accelerate really returns
+        assert got["card"] == card, (kind, visible, local_rank, got)
+
+
+def test_the_device_checks_single_trainer_check_passes_on_an_indexless_gpu_trainer(indexless_probe):
+    """scripts/device_check.py's "single trainer placed" on the record a single trainer on the last of 4 GPUs writes
+    (accelerate's torch.device("cuda"), CUDA_VISIBLE_DEVICES=3): it failed there while the card read null."""
+    from conftest import script
+
+    rank = indexless_probe[-1]
+    assert rank["card"] == 3 and rank["device"] == "cuda"
+    check = script("device_check")
+    assert check.single_trainer_placed(rank, "cuda", last=3)
+    assert not check.single_trainer_placed({**rank, "card": None}, "cuda", last=3)  # what it read before
 
 
 def test_a_node_started_with_other_settings_is_refused_by_every_rank():
