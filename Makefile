@@ -67,10 +67,19 @@ $(CONTRACT_ENV): tests/contract/contract_venv.py | $(STAMP)
 # (tests/harness.py, group_by_shared). TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 
+# the report and JupyterLab tests open a real browser, and fail without one (they do not skip the only UI checks):
+# said before the run starts, with how to get it (.ci/run installs it)
+BROWSER_CHECK = command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	command -v google-chrome >/dev/null 2>&1 || command -v google-chrome-stable >/dev/null 2>&1 || \
+	echo "make: no Chromium on this machine: the browser tests (report, JupyterLab) will fail; install it with" \
+	"sudo apt-get install chromium (Debian/Ubuntu; what .ci/run does)" >&2
+
 test: $(STAMP) $(CONTRACT_ENV)
+	@$(BROWSER_CHECK)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
+	@$(BROWSER_CHECK)
 	$(PY) -m pytest -q -m "not heavy" -n $(TEST_WORKERS) --dist loadgroup
 
 clean-venv:

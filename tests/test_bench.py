@@ -51,6 +51,9 @@ def test_every_path_trained_and_the_table_has_one_row_each(bench_run):
     rows = [line for line in table.splitlines() if line.startswith("| tiny |")]
     assert len(rows) == len(PATHS) and all(len(row.split("|")) == len(bench.HEADER) + 2 for row in rows)
     assert "| " + " | ".join(bench.HEADER) + " |" in table and table in output
+    # TRL's log dicts went to each training's train.log, not into the bench's output around its table
+    assert "'loss':" not in output and "{'loss'" not in output
+    assert all("'loss'" in TrainDir(r.train_dir).log.read_text() for r in result.results)
     assert result.machine["cores"] >= 1 and result.machine["versions"]["vllm"] != "-"
     assert run.bench.figure.stat().st_size > 10_000
 
@@ -222,6 +225,11 @@ def test_repeats_take_turns_and_each_ratio_is_paired_per_repeat_with_its_range(t
     result.save(stage)
     again = bench.Bench.load(stage)
     assert again.ratio_text("100m", "async") == "0.67 (0.60-0.70)" and again.repeats == 3
+    # one repeat: the ratio says it has no spread, and the table says not to read it as a finding
+    single = bench.Bench("cpu-tiny", 4, 1, {"summary": "x"}, [server[0], ahead[0]], repeats=1)
+    assert single.ratio_text("100m", "async") == "0.70 (1 repeat)"
+    assert "Read no ratio as a finding before --repeats 3" in single.markdown()
+    assert "Read no ratio" not in result.markdown()
 
 
 

@@ -3,7 +3,9 @@ import sys
 
 import pytest
 
-from workbench.cli import TODO, build_parser
+from workbench.cli import build_parser, main
+
+COMMANDS = [a.dest for a in build_parser()._subparsers._group_actions[0]._choices_actions]
 
 
 def run(cmd, *args, env=None):
@@ -14,17 +16,30 @@ def test_console_script_and_module_entry_point(workbench_cmd):
     for cmd in (workbench_cmd, [sys.executable, "-m", "workbench"]):
         out = run(cmd, "--help")
         assert out.returncode == 0
-        for name in ["recipe", "tiny-model", "run", "serve", "train", "env", "eval", *TODO]:
+        for name in COMMANDS:
             assert name in out.stdout
 
 
-@pytest.mark.parametrize("name", ["recipe", "tiny-model", "run", "serve", "train", "env", "eval", *TODO])
+# words each command's description must have: its own behaviour (stop, tag and lab once showed other modules')
+OWN_WORDS = {"stop": "STOP file", "tag": "tag.json", "lab": "JupyterLab", "plan": "node", "compare": "side by side"}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
 def test_every_subcommand_explains_itself(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([name, "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    assert len(text.split("\n\n", 2)[1]) > 40  # a description paragraph, not just usage
+    description = text.split("\n\n", 2)[1]
+    assert len(description) > 40  # a description paragraph, not just usage
+    assert OWN_WORDS.get(name, "").lower() in " ".join(description.split()).lower(), description
+
+
+@pytest.mark.parametrize("argv", [["recipe", "show", "--check", "smoke"], ["recipe", "--check", "show", "smoke"],
+                                  ["recipe", "show", "smoke", "--check"]])
+def test_recipe_show_takes_check_in_any_place(argv, capsys):
+    assert main(argv) == 0
+    assert "# placement: trainer on" in capsys.readouterr().out
 
 
 def test_recipe_show_ascend_builds_grpo_config(workbench_cmd, clean_env):

@@ -24,7 +24,6 @@ from workbench.experiments import protocol
 from workbench.rundir import RunDir
 
 PACKAGE = Path(__file__).resolve().parent
-TODO: dict[str, str] = {}  # name: one-line help, for subcommands announced before they are built
 
 
 def _doc(module: str) -> str:
@@ -356,14 +355,6 @@ def cmd_lab(args: argparse.Namespace) -> int:
     return 0
 
 
-def _todo(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        raise WorkbenchError(f"`workbench {name}` is not built yet",
-                             "use the stages that exist: recipe, tiny-model, serve, train, run, eval")
-
-    return run
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Parser
 
@@ -373,8 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Every stage takes --recipe NAME and section.key=value overrides; `workbench SUBCOMMAND --help`.")
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
 
-    def add(name: str, help: str, module: str, func, recipe: str | None = "cpu-tiny", run_dir: bool = False):
-        p = sub.add_parser(name, help=help, description=_doc(module) or help)
+    def add(name: str, help: str, module: str | None, func, recipe: str | None = "cpu-tiny", run_dir: bool = False,
+            description: str | None = None):
+        # the module's first paragraph when the module is the command; a command of its own says what it does
+        p = sub.add_parser(name, help=help, description=description or (_doc(module) if module else "") or help)
         if run_dir:
             p.add_argument("run_dir", help="a run directory (runs/<id>)")
         elif recipe is not False:
@@ -416,8 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="where the model goes (default: RUN/train/merged)")
     add("plan", "what each node runs: commands, environment, devices, ports, memory per device", "workbench.plan",
         cmd_plan)
-    add("stop", "ask a training run to checkpoint and stop after its current step", "workbench.training.callbacks",
-        cmd_stop, run_dir=True)
+    add("stop", "ask a training run to checkpoint and stop after its current step", None, cmd_stop, run_dir=True,
+        description="Ask a running training to stop cleanly: writes the run's STOP file; the trainer saves a "
+                    "checkpoint at the end of its current step and ends (resume it with `workbench train --resume "
+                    "RUN`). The dashboard's Stop button does the same.")
     add("advise", "name the bottleneck of a run from what it recorded", "workbench.observe.advisor", cmd_advise,
         run_dir=True)
     p = add("env", "check platform, version chain, Ascend setup, collectives, resources",
@@ -462,25 +457,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "over every (base, seed) pair (default: the recipe's one)")
     p.add_argument("--report-all", action="store_true",
                    help="train and report every candidate on the test split, not only the one chosen")
-    p = add("tag", "name a run (and note why) for comparisons", "workbench.observe.compare", cmd_tag, run_dir=True)
+    p = add("tag", "name a run (and note why) for comparisons", None, cmd_tag, run_dir=True,
+            description="Name a run, with an optional note on why it was run: writes RUN/tag.json; `workbench "
+                        "compare` labels the run with the name and shows the note.")
     p.add_argument("name", help="a short name, e.g. lr-high: comparisons label the run with it")
     p.add_argument("--note", help="a sentence kept with the tag and shown in comparisons")
     p = sub.add_parser("lab", help="JupyterLab on loopback for the notebooks, with the project's kernel (make lab)",
-                       description=_doc("workbench.notebook"))
+                       description="JupyterLab for the staged notebooks (notebooks/), bound to 127.0.0.1, with the "
+                                   "grpo-workbench kernel; on a remote node reach it with ssh -L PORT:127.0.0.1:PORT. "
+                                   "Ctrl-C or a kill ends Lab and its kernels.")
     p.add_argument("--port", type=int, default=8888, help="loopback port (default: 8888)")
     p.add_argument("--root", default=".", help="the directory Lab opens (default: here; the notebooks are in notebooks/)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser (print the URL only)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more jupyter lab options")
     p.set_defaults(func=cmd_lab)
-    for name, short in TODO.items():
-        p = sub.add_parser(name, help=short, description=short)
-        _recipe_args(p)
-        p.set_defaults(func=_todo(name))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()  # `kill`, a scheduler's stop: the command's cleanup runs (its server, trainings, RAM disk)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["recipe"] and "--check" in argv:
+        # `recipe show --check NAME`, as users type it: argparse fills the positionals before the flag and would
+        # call NAME unrecognised; the flag means the same anywhere
+        argv = [a for a in argv if a != "--check"] + ["--check"]
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

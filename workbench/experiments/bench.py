@@ -38,6 +38,7 @@ training directory per size and path (bench/<size>-<path>/: metrics.jsonl, devic
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -143,7 +144,8 @@ class Bench:
         if not values:
             return "—"
         text = f"{statistics.median(values):.2f}"
-        return text + (f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else "")
+        # one training per path: the ratio of two single timings, whose spread this run cannot show
+        return text + (f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else " (1 repeat)")
 
     def rows(self) -> list[list[str]]:
         out = []
@@ -166,6 +168,10 @@ class Bench:
                  f"step(s), medians{again}; {m.get('date', '')}; {m.get('summary', '')}", "",
                  "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         lines += ["| " + " | ".join(row) + " |" for row in self.rows()]
+        if self.repeats == 1:
+            lines.append("\nOne training per path: each ratio is two single timings, and timings of one path differ "
+                         "between runs on the same machine by more than most differences between paths. Read no ratio "
+                         "as a finding before --repeats 3 (or more) shows its range.")
         sampler = [r.sampler_cpu_percent for r in self.results if r.sampler_cpu_percent is not None]
         if sampler:
             lines.append(f"\nThe monitor's sampler used at most {max(sampler):.2f}% of one core (its thread's CPU time "
@@ -455,6 +461,15 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
     def again(k: int) -> str:
         return f" (repeat {k + 1}/{repeats})" if repeats > 1 else ""
 
+    def train(train_dir, *args, **kwargs) -> None:
+        """One training of the bench, its TRL and transformers output (log dicts, progress bars, warnings) in its
+        own train.log: the terminal keeps the bench's progress lines and its table."""
+        kwargs["log"] = log
+        began = time.time()
+        with open(train_dir.log, "a") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            run_trainer(*args, **kwargs)
+        log(f"bench:   done in {time.time() - began:.0f}s (its output: {train_dir.log})")
+
     started = time.time()
     for size in sizes:
         sized = plans[(size, paths[0])]
@@ -475,7 +490,7 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
             rr = plans[(size, path)]
             train_dir = run_dir.bench_training(size, path, k).make()
             log(f"bench: {size} {path}: {steps + warmup} steps{again(k)}")
-            run_trainer(rr, train_dir, model_path, log=log)
+            train(train_dir, rr, train_dir, model_path)
             bench.results.append(summarise(size, path, train_dir, warmup, k))
         if served:
             rr = plans[(size, served[0])]
@@ -486,8 +501,8 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
                 for k, path in ((k, p) for k in range(repeats) for p in served):
                     train_dir = run_dir.bench_training(size, path, k).make()
                     log(f"bench: {size} {path}: {steps + warmup} steps{again(k)}")
-                    run_trainer(plans[(size, path)], train_dir, model_path, srv.pid,
-                                srv.url, log=log, restart=srv.restart)
+                    train(train_dir, plans[(size, path)], train_dir, model_path, srv.pid, srv.url,
+                          restart=srv.restart)
                     bench.results.append(summarise(size, path, train_dir, warmup, k))
                 bench.saturation[size] = saturation(rr, srv.url, concurrencies or [1, 2, 4])
                 log(f"bench: {size} server saturated at {bench.saturation[size]['best']:.0f} tokens/s")
@@ -503,7 +518,7 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
                     train_dir = run_dir.bench_training(size, path, k).make()
                     log(f"bench: {size} {path}: its own server up in {srv.startup_seconds or 0:.0f}s; "
                         f"{steps + warmup} steps{again(k)}")
-                    run_trainer(rr, train_dir, model_path, srv.pid, srv.url, log=log, restart=srv.restart)
+                    train(train_dir, rr, train_dir, model_path, srv.pid, srv.url, restart=srv.restart)
                     bench.results.append(summarise(size, path, train_dir, warmup, k))
                 levels = concurrencies or [1, 2, 4]
                 bench.lora_saturation[size] = {"base": saturation(rr, srv.url, levels),
