@@ -143,3 +143,36 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path, tiny_model_dir):
     tinymodel.check_tokenizer(str(tiny_model_dir))
     with pytest.raises(WorkbenchError, match="no chat template"):
         tinymodel.check_tokenizer(str(copy))
+
+
+def test_the_cache_key_follows_the_builders_code_not_its_comments():
+    """A change to how the tiny model is built (its builders, its data) is another model: a new cache key, never
+    the old model handed back. A comment or docstring edit, or code outside the build, keeps the key."""
+    import importlib
+
+    resolve = importlib.import_module("workbench.recipe.resolve")  # the module (the package exports its function)
+    source = (resolve.PACKAGE / "tinymodel.py").read_text()
+    data = (resolve.PACKAGE / "tasks" / "arithmetic.py").read_text()
+    now = resolve.builder_digest()
+    assert resolve.builder_digest({"tinymodel.py": source, "tasks/arithmetic.py": data}) == now
+    assert "def build_model(tokenizer, tiny: TinyModelConfig):" in source
+    changed = source.replace("def build_model(tokenizer, tiny: TinyModelConfig):",
+                             "def build_model(tokenizer, tiny: TinyModelConfig):\n    tiny = tiny", 1)
+    assert resolve.builder_digest({"tinymodel.py": changed}) != now
+    assert resolve.builder_digest({"tasks/arithmetic.py": data + "\nEXTRA = 1\n"}) != now  # the data's module too
+    commented = source.replace("def build_model(tokenizer, tiny: TinyModelConfig):",
+                               "# a comment\ndef build_model(tokenizer, tiny: TinyModelConfig):\n    \"\"\"A docstring.\"\"\"", 1)
+    assert resolve.builder_digest({"tinymodel.py": commented}) == now
+    outside = source.replace("def info(path: Path) -> dict:", "def info(path: Path) -> dict:\n    path = path", 1)
+    assert outside != source and resolve.builder_digest({"tinymodel.py": outside}) == now
+    # and the key carries it: the same settings under other builders are another directory
+    from workbench.recipe.schema import TinyModelConfig
+
+    key = resolve.settings_key(TinyModelConfig(), 0, 300, 300)
+    resolve._installed_builder_digest.cache_clear()
+    real = resolve._installed_builder_digest
+    try:
+        resolve._installed_builder_digest = lambda: resolve.builder_digest({"tinymodel.py": changed})
+        assert resolve.settings_key(TinyModelConfig(), 0, 300, 300) != key
+    finally:
+        resolve._installed_builder_digest = real

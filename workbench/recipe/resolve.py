@@ -126,15 +126,59 @@ def weight_sync(recipe: Recipe, platform: str, versions: dict | None = None) -> 
     return method
 
 
+# What builds the tiny model's weights (workbench/tinymodel.py's builders, the arithmetic data): part of its cache key,
+# so a change to how it is built is another model, never the old one handed back. Read as syntax trees without
+# docstrings (not imported: this module sits below them), so a comment or a docstring keeps the key.
+BUILDER = {"tinymodel.py": ("_chat_text", "build_tokenizer", "build_model", "_encode_examples", "_ids", "pretrain",
+                            "_build", "PINNED_ENV"),
+           "tasks/arithmetic.py": None}  # None: the whole module
+PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def _without_docstrings(tree):
+    import ast
+
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def builder_digest(sources: dict[str, str] | None = None) -> str:
+    """sha256 of the tiny model's builders (BUILDER) as syntax trees without docstrings; `sources`: file texts by
+    BUILDER name instead of the installed files (what the tests change)."""
+    import ast
+
+    h = hashlib.sha256()
+    for name, wanted in BUILDER.items():
+        text = (sources or {}).get(name) or (PACKAGE / name).read_text()
+        tree = _without_docstrings(ast.parse(text))
+        for node in tree.body:
+            names = {node.name} if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else \
+                {t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)}
+            if wanted is None or names & set(wanted):
+                h.update(ast.dump(node).encode())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_builder_digest() -> str:
+    return builder_digest()
+
+
 def settings_key(tiny: TinyModelConfig, data_seed: int, heldout_size: int, validation_size: int = 0) -> str:
-    """The tiny model's cache key: its settings, the data splits it is trained and scored on, the build version."""
+    """The tiny model's cache key: its settings, the data splits it is trained and scored on, the build version and
+    the builders' code (builder_digest)."""
     settings = asdict(tiny)
     if settings.get("lr_schedule") == "cosine":
         del settings["lr_schedule"]  # the default before the option existed: keeps earlier caches valid
     splits = {"data_seed": data_seed, "heldout_size": heldout_size}
     if validation_size:  # pre-trained without the validation problems: another model (no key: the one before)
         splits["validation_size"] = validation_size
-    payload = json.dumps({"tiny": settings, **splits, "build": TINY_BUILD_VERSION}, sort_keys=True)
+    payload = json.dumps({"tiny": settings, **splits, "build": TINY_BUILD_VERSION,
+                          "builder": _installed_builder_digest()}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
