@@ -697,9 +697,12 @@ def suite_figures(junit: Path) -> dict:
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     count = lambda key: sum(int(s.get(key) or 0) for s in suites)  # noqa: E731
     tests, failures, errors, skipped = count("tests"), count("failures"), count("errors"), count("skipped")
+    # how it ran, as the suite's harness wrote it into the XML (tests/harness.py _record_run); None: not recorded
+    props = {p.get("name"): p.get("value") for s in suites for p in s.iter("property")}
+    number = lambda key: int(props[key]) if props.get(key, "").lstrip("-").isdigit() else None  # noqa: E731
     return {"tests": tests, "passed": tests - failures - errors - skipped, "failed": failures, "errors": errors,
             "skipped": skipped, "seconds": sum(float(s.get("time") or 0) for s in suites),
-            "workers": 2}
+            "workers": number("workers"), "exit_status": number("exit_status")}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -964,7 +967,9 @@ def results_page(results: dict[str, dict]) -> str:
         f = suite["figures"]
         out += [f"`{suite['command']}` on commit `{short(suite['commit'])}`, {suite['date']}; "
                 f"{suite['machine']['summary']}: **{f['passed']} passed, {f['failed']} failed, {f['errors']} errors, "
-                f"{f['skipped']} skipped in {f['seconds'] / 60:.1f} min** on {f['workers']} workers. Its time per "
+                f"{f['skipped']} skipped in {f['seconds'] / 60:.1f} min** on "
+                f"{f['workers'] if f.get('workers') is not None else 'an unrecorded number of'} workers, exit status "
+                f"{f['exit_status'] if f.get('exit_status') is not None else 'not recorded'}. Its time per "
                 "file: tests/README.md. (The suite's own timing is of the commit before the one that records it.)", ""]
     else:
         out += ["Not recorded yet: `python scripts/measure.py --suite JUNIT.xml` after `make test`.", ""]

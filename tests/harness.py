@@ -529,7 +529,26 @@ def _clean(left: Resources) -> None:
             pass
 
 
+@pytest.hookimpl(tryfirst=True)  # before junitxml's own sessionfinish writes the file
 def pytest_sessionfinish(session, exitstatus) -> None:
+    _session_leaks(session)
+    _record_run(session)
+
+
+def _record_run(session) -> None:
+    """The controller's JUnit XML (`--junitxml`) gets how the suite ran: its worker count and exit status, read by
+    scripts/measure.py --suite (not assumed there)."""
+    from _pytest.junitxml import xml_key
+
+    xml = session.config.stash.get(xml_key, None)
+    if xml is None or getattr(session.config, "workerinput", None) is not None:
+        return
+    workers = session.config.getoption("numprocesses", None) or 0
+    xml.add_global_property("workers", str(workers))
+    xml.add_global_property("exit_status", str(int(session.exitstatus)))
+
+
+def _session_leaks(session) -> None:
     if _SHM_BEFORE is not None:  # the controller, every worker ended: what they left in /dev/shm
         left = _shm_left_since(_SHM_BEFORE)
     elif _AUDIT is not None:

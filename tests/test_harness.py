@@ -162,10 +162,16 @@ def test_the_audit_fails_a_test_that_leaves_a_process_or_a_file(tmp_path):
 def test_beside_other_workers_the_controller_fails_the_session_for_a_file(tmp_path):
     """Two xdist workers: a process is still its test's failure; a /dev/shm file, which cannot be traced to a
     worker, fails the whole session when the last worker has ended (and is removed)."""
-    done = _inner_pytest(tmp_path, "-q", "-n", "2")
+    done = _inner_pytest(tmp_path, "-q", "-n", "2", f"--junitxml={tmp_path / 'suite.xml'}")
     out = done.stdout
     assert done.returncode == 1, out
     assert "test_leaves_a_process - Failed: " in out and "left behind" in out, out
     assert "test_leaves_a_semaphore_file - Failed" not in out, out
     assert "the session left behind" in out and done.name in out, out
     assert "[semaphore file still there after the run: False]" in out
+    # the suite record reads how the run went from its JUnit XML: the workers and the exit status, the session's
+    # failure for the file included
+    from conftest import script
+
+    figures = script("measure").suite_figures(tmp_path / "suite.xml")
+    assert figures["workers"] == 2 and figures["exit_status"] == 1, figures
