@@ -360,20 +360,24 @@ def test_eval_scores_the_adapter_on_the_base_server_without_merging(lora_pair, t
         list(evaluate._with_adapters(rr, [("other", str(a.path / "nowhere")), ("trained", str(a.train.final))],
                                      None, True))
     # scored for real under the adapter's name, against the base model on the same server
-    r = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "trained", "lora_path": str(a.train.final)},
+    # a name of this test's own: the count below cannot include another test's requests, in any order
+    import uuid
+
+    name = f"trained-{uuid.uuid4().hex[:8]}"
+    r = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(a.train.final)},
                       headers=headers, timeout=60)
     assert r.status_code == 200, r.text
     try:
         rows = evaluate.eval_rows(rr)
-        trained, samples = evaluate.evaluate_server(rr, "trained", rows, url, quiet=True, served_as="trained")
+        trained, samples = evaluate.evaluate_server(rr, "trained", rows, url, quiet=True, served_as=name)
         base, base_samples = evaluate.evaluate_server(rr, "base", rows, url, quiet=True)
     finally:
-        requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "trained"}, headers=headers, timeout=60)
+        requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, headers=headers, timeout=60)
     assert trained.n == base.n == 8 and trained.errors == base.errors == 0
     assert all(s.response is not None for s in samples + base_samples)
     # every request of the adapter's evaluation named it (the server's request log): none went to the base model
     log = lora_pair["server_log"].read_text()
-    assert log.count("lora_request: LoRARequest(lora_name='trained'") == len(samples)
+    assert log.count(f"lora_request: LoRARequest(lora_name='{name}'") == len(samples)
 
 
 @pytest.mark.heavy

@@ -104,9 +104,13 @@ def accelerate_ranks(rr, train_dir: TrainDir) -> tuple[dict, list[dict]]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(os.environ, env, clear=True))
         # the platform as accelerate asks for it: is_npu_available up to 1.15, torch.accelerator's backend from 1.16
-        if hasattr(accelerate_launch, "is_npu_available"):
+        asked = [name for name in ("is_npu_available", "get_torch_accelerator_backend")
+                 if hasattr(accelerate_launch, name)]
+        # neither: this accelerate asks for the platform some other way, and the test would place for the CPU only
+        assert asked, "accelerate's launch has neither is_npu_available nor get_torch_accelerator_backend"
+        if "is_npu_available" in asked:
             stack.enter_context(mock.patch.object(accelerate_launch, "is_npu_available", lambda *a, **k: npu))
-        if hasattr(accelerate_launch, "get_torch_accelerator_backend"):
+        if "get_torch_accelerator_backend" in asked:
             stack.enter_context(mock.patch.object(accelerate_launch, "get_torch_accelerator_backend",
                                                   lambda *a, **k: ("npu" if npu else "cuda", None)))
         stack.enter_context(mock.patch.object(accelerate_launch, "is_port_in_use", lambda *a, **k: False))
@@ -132,7 +136,9 @@ def test_each_trainer_process_gets_the_trainer_roles_physical_cards(name, overri
     rr = _resolve(name, overrides)
     assert not launch.placement_problems(rr), [str(p) for p in launch.placement_problems(rr)]
     train_dir = TrainDir(tmp_path / "train")
-    trainer, server = list(rr.trainer.devices), set(rr.server.devices)
+    # the cards as the recipe states them (not as the resolution that is checked here computes them)
+    trainer, server = list(rr.recipe.devices.trainer), set(rr.recipe.devices.server)
+    assert trainer and all(isinstance(c, int) for c in trainer), trainer
     where = launch.trainer_placement(rr)
     if rr.platform == "cpu":
         if rr.trainer_processes * rr.recipe.distributed.nodes == 1:
