@@ -111,3 +111,45 @@ def test_a_resumed_curve_goes_on_from_its_kept_points(tmp_path):
     (train.best).mkdir()
     (train.best / "best_step.json").write_text('{"step": 10}')
     assert EvalCurve.for_recipe(rr, train, tokens=lambda: 0, save=lambda path: None).best == 0.7
+
+
+@pytest.mark.heavy
+def test_a_curve_point_scores_the_weights_the_server_holds(restored_server, server_rr, tiny_model_dir, tmp_path):
+    """A known perturbation of the base weights, pushed into the session's server the way a trainer pushes: the
+    curve's point is the perturbed model's greedy accuracy (in process, on the same rows), which differs from the
+    base model's, so a curve that scored other weights than the server's (the base, a push behind) fails here. (The
+    smoke run's 3 steps move the weights too little for its own curve to tell.)"""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workbench import tinymodel
+    from workbench.rundir import TrainDir
+    from workbench.serving import sync
+    from workbench.tasks import dataset
+    from workbench.training.evalcurve import EvalCurve
+
+    rr = recipe.resolve(recipe.load("smoke", [f"server.port={server_rr.recipe.server.port}", "eval.every_steps=1",
+                                              f"eval.during_samples={CURVE_SAMPLES}",
+                                              f"server.api_key_env={server_rr.recipe.server.api_key_env}"]))
+    rows = dataset.recipe_rows(rr.recipe, split="validation", limit=CURVE_SAMPLES)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = tinymodel.greedy_accuracy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer, rows)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.1 * float(p.std() if p.numel() > 1 else 0.0))
+    perturbed = tinymodel.greedy_accuracy(model, tokenizer, rows)
+    assert perturbed["accuracy"] != base["accuracy"], "the perturbation changed no answer: the test shows nothing"
+    client = sync.SyncingVLLMClient(base_url=restored_server.url, weight_sync=sync.ReloadSync(
+        aliases=sync.tied_aliases(model)), headers=server_rr.headers)
+    client.init_communicator()
+    try:
+        client.update_named_params([], iter(model.named_parameters()))
+        client.reset_prefix_cache()
+    finally:
+        client.close_communicator()
+    (tmp_path / "train").mkdir()
+    point = EvalCurve(rr, TrainDir(tmp_path / "train"), rows).score(1, restored_server.url,
+                                                                    rr.recipe.server.served_model_name)
+    assert point["accuracy"] == perturbed["accuracy"], (point, perturbed["accuracy"], base["accuracy"])
