@@ -151,8 +151,10 @@ def test_the_cache_key_follows_the_builders_code_not_its_comments():
     import importlib
 
     resolve = importlib.import_module("workbench.recipe.resolve")  # the module (the package exports its function)
-    source = (resolve.PACKAGE / "tinymodel.py").read_text()
-    data = (resolve.PACKAGE / "tasks" / "arithmetic.py").read_text()
+    from workbench import paths
+
+    source = (paths.PACKAGE / "tinymodel.py").read_text()
+    data = (paths.PACKAGE / "tasks" / "arithmetic.py").read_text()
     now = resolve.builder_digest()
     assert resolve.builder_digest({"tinymodel.py": source, "tasks/arithmetic.py": data}) == now
     assert "def build_model(tokenizer, tiny: TinyModelConfig):" in source

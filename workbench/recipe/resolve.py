@@ -132,7 +132,6 @@ def weight_sync(recipe: Recipe, platform: str, versions: dict | None = None) -> 
 BUILDER = {"tinymodel.py": ("_chat_text", "build_tokenizer", "build_model", "_encode_examples", "_ids", "pretrain",
                             "_build", "PINNED_ENV"),
            "tasks/arithmetic.py": None}  # None: the whole module
-PACKAGE = Path(__file__).resolve().parent.parent
 
 
 def _without_docstrings(tree):
@@ -153,7 +152,7 @@ def builder_digest(sources: dict[str, str] | None = None) -> str:
 
     h = hashlib.sha256()
     for name, wanted in BUILDER.items():
-        text = (sources or {}).get(name) or (PACKAGE / name).read_text()
+        text = (sources or {}).get(name) or (paths.PACKAGE / name).read_text()
         tree = _without_docstrings(ast.parse(text))
         for node in tree.body:
             names = {node.name} if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else \
