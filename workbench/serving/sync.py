@@ -1087,9 +1087,14 @@ class SyncingVLLMClient(VLLMClient):
         self.weight_sync.connect(self, device)
 
     def update_named_params(self, metadata: Metadata, named_params: NamedParams) -> None:
+        named_params = iter(named_params)
         try:
             self.weight_sync.push(self, metadata, named_params)
         except Exception as exc:
+            # read the rest of the stream: with sharded parameters each item is a gather that every rank joins, and
+            # the others would wait in it forever; the trainer's keeper then holds the whole new weights
+            for _ in named_params:
+                pass
             if self.recovery is None:
                 raise
             self.recovery.handle(self, "weight push", exc)  # a restart re-pushes the current weights itself

@@ -10,9 +10,10 @@ server.max_restarts), reconnects the weight sync, pushes the weights it holds no
 (workbench/training/canary.py) to prove the server has them, and repeats the failed request. Each fault and
 restart is a line of the run's events.jsonl, shown by the dashboard and the report.
 
-When that is impossible (restarts used up, or sharded parameters: a ZeRO-3/FSDP push needs every rank, and the
-others are waiting for the main rank's broadcast) the run ends with ServerLost, which says how to resume from the
-last checkpoint.
+When that is impossible (restarts used up, or sharded parameters with server.max_restarts 0) the run ends with
+ServerLost, which says how to resume from the last checkpoint. With sharded parameters (ZeRO-3/FSDP) a push needs
+every rank, and the others are waiting in a collective by then: the main rank pushes its host copy of the last
+push instead (workbench/training/trainer.py, `_keeping`).
 
 With several trainer ranks the server belongs to the `workbench train` process, not to the rank that notices the
 fault: the rank writes a restart request into the training directory and `serve_restart_requests` (run by

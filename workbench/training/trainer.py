@@ -80,6 +80,12 @@ class _SyncingVLLMGeneration(VLLMGeneration):
         self.recovery = recovery
         self.step = step
         self.server_logprobs = server_logprobs
+        # sharded parameters with recovery on: the main rank's host copy of the weights it last pushed, whole, so that
+        # it can push them to a restarted server alone (the other ranks are waiting in a collective by then);
+        # set by _init_vllm, which TRL's __init__ calls
+        self.kept: dict[str, torch.Tensor] | None = None
+        self.pushes = 0  # complete pushes streamed through the keeper
+        self.reference: tuple[int, int, list[list[float]]] | None = None  # (push, step, the server's probe log-probs)
         super().__init__(*args, **kwargs)
         self.ahead = Ahead(self) if overlap and self.mode == "server" else None
         self.refilling = False  # a dynamic-sampling refill: asked for now, never an early batch (training/dynamic.py)
@@ -97,9 +103,15 @@ class _SyncingVLLMGeneration(VLLMGeneration):
             if self.recovery is not None:
                 self.vllm_client.recovery = self.recovery
                 self.recovery.step = self.step
-                # the main rank can push alone only when it holds every parameter whole
-                self.recovery.repush = None if self.sharded else self._push_from_main
-                self.recovery.after = self._run_canary if self.canary else None
+                if not self.sharded:  # the main rank holds every parameter whole: it pushes them again alone
+                    self.recovery.repush = self._push_from_main
+                    self.recovery.after = self._run_canary if self.canary else None
+                elif self.recovery.max_restarts > 0:  # it pushes its copy of the last push (see _keeping)
+                    self.kept = {}
+                    self.recovery.repush = self._push_kept
+                    self.recovery.after = self._check_restored if self.canary else None
+                else:
+                    self.recovery.repush = None
         self.accelerator.wait_for_everyone()
 
     @property
@@ -118,6 +130,48 @@ class _SyncingVLLMGeneration(VLLMGeneration):
             self.weight_sync.reload_current(self.vllm_client)
             return
         VLLMGeneration.sync_weights(self)
+
+    def _iter_named_params(self):
+        # TRL's stream of whole parameters (gathered collectively when sharded); on a main rank that keeps a copy,
+        # the push's stream goes through the keeper (not the first, metadata-only walk: no metadata yet)
+        stream = super()._iter_named_params()
+        if self.kept is None or self._weight_metadata is None:
+            return stream
+        return self._keeping(stream)
+
+    def _keeping(self, stream):
+        """Pass the stream on, copying each tensor to host memory; the copy replaces the kept one once the stream
+        ended (a push cut off by a fault is read to its end by the client, so that every rank's gathers complete).
+        Costs one copy of the model in the main rank's host memory (about 15 GB for a 7B model in bfloat16)."""
+        fresh = {}
+        for name, tensor in stream:
+            fresh[name] = tensor.detach().to("cpu", copy=True)
+            yield name, tensor
+        self.kept = fresh
+        self.pushes += 1
+
+    def _push_kept(self) -> None:
+        """A restarted server gets the weights the lost one held last, from the main rank's copy: no collective, so
+        the other ranks may go on waiting where they are. Before the first push there is nothing to send: the new
+        server loads the model the run started from, which the trainer still holds (a resumed run pushes before it
+        generates anything)."""
+        if self.kept:
+            self.weight_sync.push(self.vllm_client, self._weight_metadata, iter(list(self.kept.items())))
+
+    def _check_restored(self, reason: str) -> None:
+        """The proof after a sharded restart: the new server's probe log-probs against the lost server's, recorded
+        right after the push whose weights were sent again (the trainer's side needs every rank's forward, and they
+        are elsewhere). A fault inside a push sends newer weights than the lost server had answered for: the
+        next scheduled canary proves those."""
+        if self.reference is None or self.reference[0] != self.pushes:
+            self.recovery.log(f"the restarted server holds push {self.pushes}, which no server answered for yet: "
+                              f"the next scheduled canary checks it")
+            return
+        _, step, before = self.reference
+        started = time.perf_counter()
+        now = [self._server_logprobs(ids) for ids in self.canary.sequences]
+        self.canary.compare(self.step(), before, now, time.perf_counter() - started,
+                            f"{reason}, against the lost server's answers after the step-{step} push")
 
     def _push_adapter(self) -> None:
         """The main rank saves the adapter's weights and loads them into the server as a new version (replicated
@@ -189,6 +243,8 @@ class _SyncingVLLMGeneration(VLLMGeneration):
             super().sync_weights()
         if self.mode != "server":
             return
+        if self.kept is not None and self.canary is not None and not final:  # the lost server's answers, for a restart
+            self.reference = (self.pushes, self.step(), [self._server_logprobs(ids) for ids in self.canary.sequences])
         # not after the last step: the canary checked the run's pushes, and an alarm there would only be swallowed
         if not final and self.canary is not None and self.canary.due(self.step()) and (
                 self.sharded or self.accelerator.is_main_process):
