@@ -37,6 +37,16 @@ def _server_processes(port: int) -> set[int]:
     return found
 
 
+def _killed_after(servers: set[int], runs: Path, steps: int) -> bool:
+    """SIGKILL the process group of one of `servers` once the run under `runs` has logged `steps` steps; True when
+    it did."""
+    metrics = next(runs.glob("*/train/metrics.jsonl"), None)
+    if not (servers and metrics and len([r for r in read_jsonl(metrics) if "loss" in r]) >= steps):
+        return False
+    os.killpg(os.getpgid(next(iter(servers))), signal.SIGKILL)
+    return True
+
+
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory, tiny_model_dir):
     """Two nodes on loopback, as docs/multi-node.md says to start them: node 0 `workbench train --recipe smoke
@@ -74,10 +84,7 @@ def two_rank_run(tmp_path_factory, tiny_model_dir):
                     pass
             seen.update(now)
             at_once.append(len(now))
-            metrics = next(runs0.glob("*/train/metrics.jsonl"), None)
-            if not killed and now and metrics and len([r for r in read_jsonl(metrics) if "loss" in r]) >= 2:
-                os.killpg(os.getpgid(next(iter(now))), signal.SIGKILL)
-                killed = True
+            killed = killed or _killed_after(now, runs0, steps=2)
             time.sleep(0.5)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -364,10 +371,7 @@ def test_zero3_two_ranks_survive_a_killed_server(tmp_path, tiny_model_dir):
         while not done.is_set():
             now = _server_processes(port) - before
             seen.update(now)
-            metrics = next(tmp_path.glob("*/train/metrics.jsonl"), None)
-            if not killed and now and metrics and any("loss" in r for r in read_jsonl(metrics)):
-                os.killpg(os.getpgid(next(iter(now))), signal.SIGKILL)
-                killed = True
+            killed = killed or _killed_after(now, tmp_path, steps=1)
             time.sleep(0.2)
 
     watcher = threading.Thread(target=watch, daemon=True)

@@ -84,8 +84,7 @@ class _SyncingVLLMGeneration(VLLMGeneration):
         # it can push them to a restarted server alone (the other ranks are waiting in a collective by then);
         # set by _init_vllm, which TRL's __init__ calls
         self.kept: dict[str, torch.Tensor] | None = None
-        self.pushes = 0  # complete pushes streamed through the keeper
-        self.reference: tuple[int, int, list[list[float]]] | None = None  # (push, step, the server's probe log-probs)
+        self.reference: tuple[dict, int, list[list[float]]] | None = None  # (that copy, step, the server's probe log-probs)
         super().__init__(*args, **kwargs)
         self.ahead = Ahead(self) if overlap and self.mode == "server" else None
         self.refilling = False  # a dynamic-sampling refill: asked for now, never an early batch (training/dynamic.py)
@@ -110,8 +109,6 @@ class _SyncingVLLMGeneration(VLLMGeneration):
                     self.kept = {}
                     self.recovery.repush = self._push_kept
                     self.recovery.after = self._check_restored if self.canary else None
-                else:
-                    self.recovery.repush = None
         self.accelerator.wait_for_everyone()
 
     @property
@@ -148,7 +145,6 @@ class _SyncingVLLMGeneration(VLLMGeneration):
             fresh[name] = tensor.detach().to("cpu", copy=True)
             yield name, tensor
         self.kept = fresh
-        self.pushes += 1
 
     def _push_kept(self) -> None:
         """A restarted server gets the weights the lost one held last, from the main rank's copy: no collective, so
@@ -156,16 +152,16 @@ class _SyncingVLLMGeneration(VLLMGeneration):
         server loads the model the run started from, which the trainer still holds (a resumed run pushes before it
         generates anything)."""
         if self.kept:
-            self.weight_sync.push(self.vllm_client, self._weight_metadata, iter(list(self.kept.items())))
+            self.weight_sync.push(self.vllm_client, self._weight_metadata, iter(self.kept.items()))
 
     def _check_restored(self, reason: str) -> None:
         """The proof after a sharded restart: the new server's probe log-probs against the lost server's, recorded
         right after the push whose weights were sent again (the trainer's side needs every rank's forward, and they
         are elsewhere). A fault inside a push sends newer weights than the lost server had answered for: the
         next scheduled canary proves those."""
-        if self.reference is None or self.reference[0] != self.pushes:
-            self.recovery.log(f"the restarted server holds push {self.pushes}, which no server answered for yet: "
-                              f"the next scheduled canary checks it")
+        if self.reference is None or self.reference[0] is not self.kept:
+            self.recovery.log("the restarted server holds weights of a push which no server answered for yet: "
+                              "the next scheduled canary checks them")
             return
         _, step, before = self.reference
         started = time.perf_counter()
@@ -244,7 +240,7 @@ class _SyncingVLLMGeneration(VLLMGeneration):
         if self.mode != "server":
             return
         if self.kept is not None and self.canary is not None and not final:  # the lost server's answers, for a restart
-            self.reference = (self.pushes, self.step(), [self._server_logprobs(ids) for ids in self.canary.sequences])
+            self.reference = (self.kept, self.step(), [self._server_logprobs(ids) for ids in self.canary.sequences])
         # not after the last step: the canary checked the run's pushes, and an alarm there would only be swallowed
         if not final and self.canary is not None and self.canary.due(self.step()) and (
                 self.sharded or self.accelerator.is_main_process):
