@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from workbench.tasks import rewards
-from workbench.tasks.dataset import load_rows, max_prompt_tokens, to_hf_dataset
+from workbench.tasks.dataset import load_rows, max_prompt_tokens
+from workbench.tasks.task import Task
 from workbench.errors import WorkbenchError
 
 GSM8K = [
@@ -242,7 +243,7 @@ def test_hub_unreachable_fails_fast_with_the_local_file_fix(monkeypatch, empty_h
     assert time.monotonic() - start < 10
     message = one_line(exc)
     assert "gsm8k" in message and "openai/gsm8k" in message
-    assert "data.path" in message and "data.fields" in message
+    assert "data.test: {path: FILE}" in message and "data.fields" in message and "HF_ENDPOINT" in message
 
 
 def test_unreachable_hub_without_offline_variable_fails_fast(monkeypatch, empty_hub_cache):
@@ -326,7 +327,7 @@ def test_arithmetic_rejects_a_path(tmp_path):
 
 def test_to_hf_dataset_round_trip(tmp_path):
     rows = load_rows("gsm8k", "train", path=write_jsonl(tmp_path / "g.jsonl", GSM8K), system_prompt="S")
-    ds = to_hf_dataset(rows)
+    ds = __import__("datasets").Dataset.from_list(rows)
     assert len(ds) == 3 and set(ds.column_names) == {"prompt", "answer", "id", "source"}
     assert ds.to_list() == rows
 
@@ -396,31 +397,27 @@ def test_recipe_rows_use_the_data_section_and_check_prompt_length(tiny_model_dir
     from transformers import AutoTokenizer
 
     from workbench import recipe
-    from workbench.tasks.dataset import max_prompt_tokens, recipe_rows
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     smoke = recipe.load("smoke")
-    rows = recipe_rows(smoke, tokenizer=tokenizer)
+    rows = Task.build(smoke).train_rows(tokenizer)
     assert len(rows) == 16 and rows[0]["source"] == "arithmetic"
-    heldout = recipe_rows(smoke, split="heldout")
+    heldout = Task.build(smoke).rows("heldout")
     assert len(heldout) == 300
     longest = max_prompt_tokens(heldout + rows, tokenizer)
     assert 10 < longest <= smoke.data.max_prompt_length
-    tight = recipe.load("smoke", [f"data.max_prompt_length={longest - 1}"])
+    tight = recipe.load("smoke", [f"data.max_prompt_length={longest - 1}", "data.train_size=null"])
     with pytest.raises(WorkbenchError, match=f"prompt is {longest} tokens.*raise data.max_prompt_length to {longest}"):
-        recipe_rows(tight, split="heldout", tokenizer=tokenizer)
+        Task.build(tight).train_rows(tokenizer)
 
 
 def test_eval_rows_are_the_first_num_samples_of_the_eval_split():
     from workbench import recipe
-    from workbench.tasks.dataset import eval_rows, recipe_rows
-
     smoke = recipe.load("smoke", ["eval.num_samples=20"])
-    rows = eval_rows(smoke)
+    rows = Task.build(smoke).eval_rows(smoke.eval)
     assert len(rows) == 20
-    assert rows == recipe_rows(smoke, split=smoke.eval.split)[:20]
+    assert rows == Task.build(smoke).rows(smoke.eval.split)[:20]
     assert all(r["id"].startswith(f"arith-{smoke.eval.split}-") for r in rows)
     too_many = recipe.load("smoke", ["data.heldout_size=50", "eval.num_samples=60"])
     with pytest.raises(WorkbenchError, match=r"eval.num_samples=60 but the heldout split has 50") as exc:
-        eval_rows(too_many)
+        Task.build(too_many).eval_rows(too_many.eval)
     one_line(exc)

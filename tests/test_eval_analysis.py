@@ -11,7 +11,8 @@ from workbench.errors import WorkbenchError
 from workbench.evaluation import analysis
 from workbench.evaluation.evaluate import Evaluation, Sample, Summary
 from workbench.rundir import RunDir
-from workbench.tasks import arithmetic, dataset
+from workbench.tasks import arithmetic
+from workbench.tasks.task import Task
 
 
 # --- the arithmetic categories -------------------------------------------------------------------------------
@@ -55,7 +56,8 @@ def test_rows_carry_their_categories_without_changing_the_problems():
         assert r["prompt"][0]["content"].startswith(template.split("{")[0])
         assert isinstance(r["carry"], bool)
     # the recipe path (eval rows) keeps them
-    assert dataset.eval_rows(recipe.load("cpu-tiny"))[0]["carry"] is True  # 33 + 47: 3+7=10
+    tiny = recipe.load("cpu-tiny")
+    assert Task.build(tiny).eval_rows(tiny.eval)[0]["carry"] is True  # 33 + 47: 3+7=10
 
 
 # --- the counting rules on hand-built evaluations ------------------------------------------------------------
@@ -207,15 +209,17 @@ def test_breakdown_key_is_checked_at_load():
 
 def _file_recipe(tmp_path, breakdown: str):
     records = [{"question": f"q{i}", "answer": str(i), "level": f"L{i % 3}", "topic": "x"} for i in range(6)]
-    path = tmp_path / "problems.jsonl"
+    path, train = tmp_path / "problems.jsonl", tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return recipe.load("cpu-tiny", ["data.name=file", f"data.path={path}", "eval.num_samples=6",
+    train.write_text("".join(json.dumps({**r, "question": f"t{i}"}) + "\n" for i, r in enumerate(records * 2)))
+    return recipe.load("cpu-tiny", ["data.name=file", f"data.train={train}", f"data.test={path}",
+                                    "data.validation_size=2", "eval.num_samples=6",
                                     f"eval.breakdown={breakdown}"])
 
 
 def test_a_dataset_field_becomes_a_breakdown(tmp_path):
     r = _file_recipe(tmp_path, "[level]")
-    ids = [row["id"] for row in dataset.eval_rows(r)]
+    ids = [row["id"] for row in Task.build(r).eval_rows(r.eval)]
     marks_b = {pid: [n % 2 == 0] for n, pid in enumerate(ids)}
     marks_t = {pid: [True] for pid in ids}
     samples = [Sample(label, 0, pid, "q", "a", correct=marks[pid][0], completion_tokens=5, finish_reason="stop")

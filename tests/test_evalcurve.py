@@ -17,7 +17,7 @@ def test_each_push_is_scored_and_the_best_step_is_kept(smoke_run, tiny_model_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from workbench import tinymodel
-    from workbench.tasks import dataset
+    from workbench.tasks.task import Task
 
     run, _ = smoke_run
     points = [json.loads(line) for line in run.train.eval_curve.read_text().splitlines()]
@@ -29,7 +29,7 @@ def test_each_push_is_scored_and_the_best_step_is_kept(smoke_run, tiny_model_dir
 
     # the first point scored the starting model: the same problems, greedy, in process
     r = recipe.load("smoke")  # the run's data section (its recipe file names a reward module of its project)
-    rows = dataset.recipe_rows(r, split="validation", limit=CURVE_SAMPLES)
+    rows = Task.build(r).rows("validation", limit=CURVE_SAMPLES)
     base = tinymodel.greedy_accuracy(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
                                      AutoTokenizer.from_pretrained(tiny_model_dir), rows)
     assert points[0]["accuracy"] == base["accuracy"]
@@ -125,13 +125,13 @@ def test_a_curve_point_scores_the_weights_the_server_holds(restored_server, serv
     from workbench import tinymodel
     from workbench.rundir import TrainDir
     from workbench.serving import sync
-    from workbench.tasks import dataset
+    from workbench.tasks.task import Task
     from workbench.training.evalcurve import EvalCurve
 
     rr = recipe.resolve(recipe.load("smoke", [f"server.port={server_rr.recipe.server.port}", "eval.every_steps=1",
                                               f"eval.during_samples={CURVE_SAMPLES}",
                                               f"server.api_key_env={server_rr.recipe.server.api_key_env}"]))
-    rows = dataset.recipe_rows(rr.recipe, split="validation", limit=CURVE_SAMPLES)
+    rows = rr.task.rows("validation", limit=CURVE_SAMPLES)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     base = tinymodel.greedy_accuracy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer, rows)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -17,6 +17,7 @@ from workbench.evaluation.evaluate import Evaluation
 from workbench.experiments.protocol import Candidate, Outcome, Protocol, parse_candidate
 from workbench.rundir import RunDir
 from workbench.tasks import dataset
+from workbench.tasks.task import Task
 
 
 def _question(row: dict) -> str:
@@ -25,33 +26,37 @@ def _question(row: dict) -> str:
 
 def test_validation_rows_are_neither_trained_on_nor_the_test_rows():
     r = recipe.load("cpu-tiny")
-    train = {_question(x) for x in dataset.recipe_rows(r)}
-    validation = dataset.recipe_rows(r, split="validation")
-    test = dataset.eval_rows(r)
+    task = Task.build(r)
+    train = {_question(x) for x in task.rows("train")}
+    validation = task.rows("validation")
+    test = task.eval_rows(r.eval)
     assert len(validation) == r.data.validation_size == 300 and len(test) == 300
     assert not train & {_question(x) for x in validation}
     assert not {_question(x) for x in validation} & {_question(x) for x in test}
     assert all(x["id"].startswith("arith-validation-") for x in validation)
-    assert dataset.eval_rows(recipe.load("cpu-tiny", ["eval.split=validation"])) == validation
+    chosen = recipe.load("cpu-tiny", ["eval.split=validation"])
+    assert Task.build(chosen).eval_rows(chosen.eval) == validation
 
 
 def test_gsm8k_validation_is_carved_from_the_end_of_train(monkeypatch):
     records = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(10)]
-    monkeypatch.setattr(dataset, "_load_hub", lambda name, split, spec: records)
-    train = dataset.load_rows("gsm8k", "train", validation_size=3)
-    validation = dataset.load_rows("gsm8k", "validation", validation_size=3)
+    loaded = []
+    monkeypatch.setattr(dataset, "hub_records", lambda hub_id, config, split, **_: loaded.append(split)
+                        or list(enumerate(records, start=1)))
+    task = Task.build(recipe.load("cpu-tiny", ["data.name=gsm8k", "data.validation_size=3"]))
+    train, validation = task.rows("train"), task.rows("validation")
     assert [r["answer"] for r in train] == [str(i) for i in range(7)]
     assert [r["answer"] for r in validation] == ["7", "8", "9"]
-    assert validation[0]["id"] == "gsm8k-validation-8"  # numbered as the hub's train rows are
-    with pytest.raises(WorkbenchError, match="validation split is empty"):
-        dataset.load_rows("gsm8k", "validation", validation_size=0)
-    assert len(dataset.load_rows("gsm8k", "train", validation_size=0)) == 10
+    assert validation[0]["id"] == "gsm8k-train-8"  # numbered as the hub's train rows are
+    assert loaded == ["train"]  # one read of the hub split serves both parts
+    whole = Task.build(recipe.load("cpu-tiny", ["data.name=gsm8k", "data.validation_size=0"]))
+    assert len(whole.rows("train")) == 10
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["eval.split=train"], "eval.split is 'train', not an arithmetic evaluation split"),
+    (["eval.split=train"], "eval.split is 'train', not a split kept out of training"),
     (["eval.split=validation", "data.validation_size=0"], "eval.split is validation but data.validation_size is 0"),
-    (["data.split=heldout"], "arithmetic trains on its 'train' split only"),
+    (["data.split=heldout"], "data.split is 'heldout': GRPO trains on the train split"),
     (["data.validation_size=-1"], "data.validation_size is -1"),
 ])
 def test_bad_splits_are_refused_at_load(overrides, message):

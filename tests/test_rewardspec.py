@@ -38,6 +38,17 @@ def project(tmp_path, monkeypatch):
     return tmp_path
 
 
+def test_a_required_parameter_is_a_column_of_the_rows_or_refused(project):
+    """A parameter without a default may be a data column (TRL passes every column): the probe on the training rows
+    decides, before training."""
+    (spec,) = rewardspec.specs({"lab_rewards:needs_key": 1.0})
+    row = {"prompt": [{"role": "user", "content": "1+1"}], "answer": "2", "id": "r1"}
+    rewardspec.probe(spec, [{**row, "key": "k"}])  # the column is there: called, and passes
+    with pytest.raises(WorkbenchError, match=r"requires \['key'\], which is neither in its args nor a column of "
+                                             r"the training rows \(they have: answer, id\)"):
+        rewardspec.probe(spec, [row])
+
+
 def test_forms_parse_to_names_weights_functions_and_args():
     specs = rewardspec.parse({"correctness": 1.0, "pkg.mod:brevity": 0.5,
                               "short": {"function": "pkg.mod:brevity", "weight": 0.2, "args": {"limit": 4}}})
@@ -65,7 +76,6 @@ def test_a_file_path_works_from_anywhere(project, tmp_path_factory, monkeypatch)
     ({"lab_rewards:missing": 1.0}, "lab_rewards has no 'missing'"),
     ({"lab_rewards:NOT_A_FUNCTION": 1.0}, "is a int, not a function"),
     ({"lab_rewards:positional_only": 1.0}, "does not have TRL's reward signature (no **kwargs)"),
-    ({"lab_rewards:needs_key": 1.0}, "requires ['key']"),
     ({"x": {"function": "lab_rewards:brevity", "args": {"limt": 3}}}, "rewards.x.args has ['limt']"),
     ({"x": {"function": "lab_rewards:brevity", "wieght": 3}}, "unknown key(s) ['wieght']"),
     ({"x": {"function": "lab_rewards:brevity", "weight": "high"}}, "rewards.x.weight is 'high'"),

@@ -78,6 +78,8 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     print(f"# resolved: platform {d['platform']}, model {d['model_path']}, weight sync {d['weight_sync']}, "
           f"server {d['server_url']} on {d['server']['devices']}, trainer on {d['trainer']['devices']}")
     print(f"# trainer keys checked against trl.GRPOConfig's {len(recipe.trl_fields.names())} arguments")
+    for split, where in d["data"].items():  # where each split's rows come from (a carve says by what)
+        print(f"# data.{split}: {where}")
     if args.check:
         from workbench.training.config import grpo_config  # lazy: yaml
 

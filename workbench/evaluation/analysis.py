@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 from workbench.errors import WorkbenchError
 from workbench.recipe.schema import ANALYSIS_COLUMNS, ANALYSIS_OUTCOMES
 from workbench.rundir import StageDir, write_atomic
-from workbench.tasks import arithmetic, dataset
+from workbench.tasks import arithmetic
+from workbench.tasks.task import Task
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -87,28 +88,18 @@ def breakdown_fields(recipe: Recipe) -> list[str]:
 
 
 def category_values(recipe: Recipe, fields: list[str]) -> dict[str, dict[str, Any]]:
-    """Problem id -> {field: value} for the recipe's eval rows (the problems the evaluation scored)."""
+    """Problem id -> {field: value} for the recipe's eval rows (the problems the evaluation scored): generated
+    rows carry their categories, a source's rows every column it has beyond question, answer and id."""
     if not fields:
         return {}
-    d = recipe.data
-    if d.name == "arithmetic":  # generated rows carry their categories
-        return {row["id"]: {f: row[f] for f in fields} for row in dataset.eval_rows(recipe)}
-    values: dict[str, dict[str, Any]] = {}
+    rows = Task.build(recipe).eval_rows(recipe.eval)
     for name in fields:
-        # The loader puts the column `fields` maps to "question" into the prompt: mapping it to this field reads
-        # the field row by row, with the same ids, file or hub copy and checks as the evaluation's rows.
-        try:
-            rows = dataset.load_rows(d.name, recipe.eval.split, path=d.path,
-                                     fields={**(d.fields or {}), "question": name}, limit=recipe.eval.num_samples,
-                                     seed=d.seed, heldout_size=d.heldout_size,
-                                     validation_size=d.validation_size)
-        except WorkbenchError as exc:
-            raise WorkbenchError(f"eval.breakdown names {name!r}, which cannot be read from the eval rows: {exc.cause}",
-                                 f"name columns that every record of {d.path or d.name} has in eval.breakdown, or "
-                                 "drop it") from None
-        for row in rows:
-            values.setdefault(row["id"], {})[name] = row["prompt"][-1]["content"]
-    return values
+        missing = next((row["id"] for row in rows if row.get(name) is None), None)
+        if missing is not None:
+            raise WorkbenchError(f"eval.breakdown names {name!r}, which cannot be read from the eval rows: row "
+                                 f"{missing} has no {name!r} field",
+                                 "name columns that every record of the eval split has in eval.breakdown, or drop it")
+    return {row["id"]: {f: row[f] for f in fields} for row in rows}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -40,7 +40,6 @@ from workbench.recipe import Resolved, load
 from workbench.rundir import ADAPTER_CONFIG, StageDir, is_adapter, write_atomic
 from workbench.serving import client, launch
 from workbench.serving.server import VLLMServer, shared_server
-from workbench.tasks import dataset
 from workbench.tasks.grading import grade
 from workbench.tinymodel import ensure_model
 from workbench.training.canary import Canary, probe_sequences, thresholds
@@ -257,7 +256,7 @@ def _with_prompt_text(rr: Resolved, rows: list[dict], url: str) -> list[dict]:
 # Models, outputs
 
 def eval_rows(rr: Resolved) -> list[dict]:
-    return dataset.eval_rows(rr.recipe)
+    return rr.task.eval_rows(rr.recipe.eval)
 
 
 def lm_eval_command(rr: Resolved, url: str | None = None) -> str:

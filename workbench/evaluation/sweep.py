@@ -24,7 +24,6 @@ from workbench.evaluation.evaluate import evaluate_server, preflight
 from workbench.recipe import Resolved
 from workbench.rundir import RunDir, StageDir, write_atomic
 from workbench.serving.server import VLLMServer
-from workbench.tasks import dataset
 from workbench.tinymodel import ensure_model
 
 HEADER = ["requests in flight", "requests/s", "tokens/s", "vs sequential loop"]
@@ -111,7 +110,7 @@ def measure(rr: Resolved, concurrencies: list[int], log=print) -> tuple[Sweep, P
     """`workbench eval --sweep`: a run directory of its own, a server of its own on the recipe's model, the sweep
     over the recipe's evaluation rows, saved there. Returns the sweep and its serving.json."""
     stage = RunDir.create(rr.recipe, "sweep").serving
-    rows = dataset.eval_rows(rr.recipe)
+    rows = rr.task.eval_rows(rr.recipe.eval)
     with VLLMServer(rr, ensure_model(rr), stage.make().path) as srv:
         preflight(rr, rows, srv.url)
         result = run(rr, rows, concurrencies, url=srv.url, log=log)

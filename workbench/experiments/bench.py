@@ -55,7 +55,6 @@ from workbench.platform.compat import dist_version
 from workbench.recipe import Resolved, load, resolve
 from workbench.records import read_jsonl
 from workbench.rundir import RunDir, StageDir, TrainDir, write_atomic
-from workbench.tasks import dataset
 from workbench.training import launch
 from workbench.training.config import preflight
 from workbench.training.gauge import decode_context, role_limits
@@ -356,7 +355,7 @@ def saturation(rr: Resolved, url: str, concurrencies: list[int], rounds: int = 2
     n = int(args.get("num_generations", 8))
     prompts_per_step = max(1, int(args.get("per_device_train_batch_size", n)) // n)
     tokenizer = AutoTokenizer.from_pretrained(rr.model_path)
-    rows = dataset.recipe_rows(rr.recipe, tokenizer=tokenizer)[:prompts_per_step]
+    rows = rr.task.train_rows(tokenizer)[:prompts_per_step]
     texts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     client = sync.SyncingVLLMClient(base_url=url, weight_sync=sync.NoSync(), headers=rr.headers,

@@ -56,7 +56,7 @@ from typing import Callable, TypeVar
 from workbench.errors import WorkbenchError
 from workbench.records import read_jsonl
 from workbench.rundir import RunDir, set_aside, trained_weights, write_atomic
-from workbench.tasks import dataset
+from workbench.tasks.task import Task
 
 BASELINE = "recipe"
 VALIDATION, TEST = "validation", "heldout"
@@ -378,19 +378,13 @@ def check(recipe_name: str, candidates: list[Candidate], choose_seed: int, seeds
                 r = recipe.load(recipe_name, [*common, *data_overrides(d), *c.overrides, f"eval.split={split}"])
             except WorkbenchError as exc:
                 raise WorkbenchError(f"candidate {c.name!r}: {exc.cause}", exc.fix) from None
-            if r.data.path:
-                raise WorkbenchError(f"data.path is set ({r.data.path}): a file is one split, so validation and "
-                                     "test would be the training rows", "run the protocol on a dataset with splits")
-            if r.data.name != "arithmetic":
-                spec = dataset.DATASETS.get(r.data.name) or {}
-                if "validation" not in (spec.get("splits") or {}) or "train" not in (spec.get("splits") or {}):
-                    raise WorkbenchError(f"dataset {r.data.name!r} has no validation split to choose on",
-                                         "use a dataset that has one (arithmetic, gsm8k)")
-                if r.data.validation_size < 1:
-                    raise WorkbenchError("data.validation_size is 0: nothing to choose on",
-                                         "keep data.validation_size above 0")
-            else:  # generated: the rows themselves are checked here, cheaply
-                dataset.eval_rows(r)
+            sources = Task.build(r).sources  # a test or validation source that is the training one: refused
+            if sources["train"] is None or sources["validation"] is None:
+                raise WorkbenchError(f"dataset {r.data.name!r} has no "
+                                     f"{'training' if sources['train'] is None else 'validation'} split to choose on",
+                                     "name data.train (and data.validation, or keep data.validation_size above 0)")
+            if r.data.name == "arithmetic":  # generated: the rows themselves are checked here, cheaply
+                Task.build(r).eval_rows(r.eval)
 
 
 T = TypeVar("T")

@@ -30,7 +30,8 @@ import pandas as pd
 from workbench.errors import WorkbenchError
 from workbench.observe import groups
 from workbench.rundir import RunDir, TrainDir, write_atomic
-from workbench.tasks import dataset, rewards as builtin, rewardspec
+from workbench.tasks import rewards as builtin, rewardspec
+from workbench.tasks.task import Task
 from workbench.tasks.rewards import completion_text
 
 LENGTH_CORRELATION = 0.7  # |Spearman| with length above this, and well above that with correctness: the length hack
@@ -68,7 +69,7 @@ def sample(rr, num_prompts: int = 16, num_generations: int | None = None, model_
 
     recipe = rr.recipe
     size = num_generations or int(recipe.trainer.get("num_generations", 8))
-    rows = dataset.recipe_rows(recipe, limit=num_prompts)
+    rows = rr.task.rows("train", limit=num_prompts)
     llm, _ = offline.engine(rr, model_path, log=log)
     from vllm import SamplingParams
 
@@ -188,7 +189,7 @@ def _corr(a: pd.Series, b: pd.Series) -> float:
 
 
 def _gold_lookup(recipe) -> dict[str, str]:
-    return {row["prompt"][-1]["content"]: row["answer"] for row in dataset.recipe_rows(recipe)}
+    return {row["prompt"][-1]["content"]: row["answer"] for row in Task.build(recipe).rows("train")}
 
 
 def _warnings(lab: Lab) -> list[str]:

@@ -27,9 +27,9 @@ import yaml
 from workbench.errors import WorkbenchError
 from workbench.recipe import trl_fields
 from workbench.recipe.schema import ANALYSIS_COLUMNS, DERIVED_PEFT_KEYS, SECTIONS, VLLM_LORA_RANKS, Recipe
-from workbench.tasks import rewardspec
-from workbench.tasks.arithmetic import CATEGORIES, SPLITS
-from workbench.tasks.dataset import DATASETS, FIELD_KEYS, KNOWN
+from workbench.tasks import rewardspec, task
+from workbench.tasks.arithmetic import CATEGORIES
+from workbench.tasks.dataset import FIELD_KEYS, KNOWN
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -473,46 +473,35 @@ def _rollout(recipe: Recipe) -> list[WorkbenchError]:
 
 
 def _data(recipe: Recipe) -> list[WorkbenchError]:
-    """The data section names a dataset that exists, with a file where one is needed and known field names."""
+    """The data section names a dataset that exists, each split's source readable and none the training rows
+    again (workbench/tasks/task.py), with known field names."""
     d, out = recipe.data, []
     if d.name not in KNOWN:
-        out.append(WorkbenchError(f"data.name is {d.name!r}, not a known dataset", f"use one of: {', '.join(KNOWN)}"))
-    elif d.name == "arithmetic" and d.path:
+        return [WorkbenchError(f"data.name is {d.name!r}, not a known dataset", f"use one of: {', '.join(KNOWN)}")]
+    if d.name == "arithmetic" and d.path:
         out.append(WorkbenchError("data.path is set but dataset 'arithmetic' is generated and reads no file",
                                   "drop data.path, or set data.name=file to train on the file"))
-    elif d.name == "file" and not d.path:
+    elif d.name == "file" and not d.path and d.train is None:
         out.append(WorkbenchError("data.name is 'file' but data.path is not set",
-                                  "set data.path to a local .jsonl, .json or .parquet file"))
-    if d.path and d.name != "arithmetic":
-        path = Path(d.path)
-        if not path.is_file():
-            out.append(WorkbenchError(f"data.path {d.path} does not exist", "point data.path at a local data file"))
-        elif path.suffix.lower() not in (".jsonl", ".json", ".parquet"):
-            out.append(WorkbenchError(f"data.path {d.path} has format {path.suffix or '(no extension)'!r}",
-                                      "use a .jsonl, .json or .parquet file"))
+                                  "set data.train (or data.path) to a local .jsonl, .json or .parquet file"))
+    else:
+        out += task.source_problems(d)
     if d.fields:
         unknown = sorted(set(d.fields) - set(FIELD_KEYS))
         if unknown:
             out.append(WorkbenchError(f"data.fields has unknown keys {unknown}",
                                       f"map only {', '.join(FIELD_KEYS)} to the file's columns"))
-    carved = d.name in DATASETS and not d.path and "validation" in (DATASETS[d.name]["splits"] or {})
-    if carved and d.split == "validation":
-        out.append(WorkbenchError(f"data.split is 'validation': the {d.name} validation split is for choosing "
-                                  "settings, never trained on", "set data.split=train"))
-    if carved and recipe.eval.split == "validation" and d.validation_size == 0:
+    if d.split != "train":
+        out.append(WorkbenchError(f"data.split is {d.split!r}: GRPO trains on the train split, whose source is "
+                                  "data.train (validation and test are kept out of training)",
+                                  "set data.split=train, and name the rows to train on in data.train"))
+    for where, split in (("eval.split", recipe.eval.split), ("eval.during_split", recipe.eval.during_split)):
+        if task.split_name(split) not in ("validation", "test"):
+            out.append(WorkbenchError(f"{where} is {split!r}, not a split kept out of training",
+                                      f"use validation (for choosing settings) or test (to report; also 'heldout')"))
+    if recipe.eval.split == "validation" and d.validation_size == 0 and d.validation is None:
         out.append(WorkbenchError("eval.split is validation but data.validation_size is 0",
                                   "set data.validation_size to the rows to keep for choosing settings"))
-    if d.name == "arithmetic":
-        if d.split != "train":
-            out.append(WorkbenchError(f"data.split is {d.split!r}: arithmetic trains on its 'train' split only",
-                                      "set data.split=train (validation and heldout are kept out of training)"))
-        if recipe.eval.split not in ("validation", "heldout"):
-            out.append(WorkbenchError(f"eval.split is {recipe.eval.split!r}, not an arithmetic evaluation split",
-                                      f"use validation (for choosing settings) or heldout (the test split); the splits "
-                                      f"are {', '.join(SPLITS)}"))
-        elif recipe.eval.split == "validation" and d.validation_size == 0:
-            out.append(WorkbenchError("eval.split is validation but data.validation_size is 0",
-                                      "set data.validation_size to the problems to keep for choosing settings"))
     out += _during(recipe)
     return out
 
@@ -526,19 +515,13 @@ def _during(recipe: Recipe) -> list[WorkbenchError]:
             out.append(WorkbenchError("eval.keep_best is on but eval.every_steps is 0: no step is scored",
                                       "set eval.every_steps to N, or drop eval.keep_best"))
         return out
-    if d.path:
-        out.append(WorkbenchError("eval.every_steps with data.path: a data file is read whole, whatever the split, so "
-                                  "the curve would score the training rows", "set eval.every_steps=0 for a data file"))
-    elif e.during_split == d.split:
+    if e.during_split == d.split:
         out.append(WorkbenchError(f"eval.during_split is {e.during_split!r}, the split GRPO trains on",
                                   "score the curve on validation (data.validation_size problems kept out of training)"))
-    elif d.name == "arithmetic" and e.during_split not in ("validation", "heldout"):
-        out.append(WorkbenchError(f"eval.during_split is {e.during_split!r}, not an arithmetic evaluation split",
-                                  "use validation"))
-    elif e.during_split == "validation" and (d.name == "arithmetic" or d.name in DATASETS) and d.validation_size == 0:
+    elif e.during_split == "validation" and d.validation is None and d.validation_size == 0:
         out.append(WorkbenchError("eval.during_split is validation but data.validation_size is 0",
                                   "set data.validation_size to the problems to keep for choosing settings"))
-    if e.keep_best and e.during_split == "heldout":
+    if e.keep_best and task.split_name(e.during_split) == "test":
         out.append(WorkbenchError("eval.keep_best chooses the step by its score on 'heldout', the test split: a result "
                                   "reported for that model would be its best luck", "set eval.during_split=validation"))
     dist = recipe.distributed

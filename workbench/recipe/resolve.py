@@ -25,6 +25,7 @@ from workbench.platform import compat
 from workbench.platform.detect import detect_platform
 from workbench.recipe.schema import TINY_BUILD_VERSION, Recipe, TinyModelConfig
 from workbench.secrets import REDACTED
+from workbench.tasks.task import Task
 
 VISIBLE_DEVICES = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
 
@@ -70,7 +71,8 @@ class Resolved:
                 "versions_source": self.versions_source,
                 "server": {"devices": list(self.server.devices), "env": sorted(self.server.env)},
                 "trainer": {"devices": list(self.trainer.devices), "env": sorted(self.trainer.env),
-                            "processes": self.trainer_processes, "nodes": self.recipe.distributed.nodes}}
+                            "processes": self.trainer_processes, "nodes": self.recipe.distributed.nodes},
+                "data": self.task.describe()}
 
     @functools.cached_property
     def host_platform(self) -> str:
@@ -79,6 +81,11 @@ class Resolved:
             return self.platform
 
         return detect_platform()
+
+    @functools.cached_property
+    def task(self) -> Task:
+        """The run's one Task: each split's source, its rows once read, its rewards (workbench/tasks/task.py)."""
+        return Task.build(self.recipe)
 
     def with_recipe(self, recipe: Recipe) -> "Resolved":
         """The same resolution for a variant of the recipe (the smoke run's three steps, the eval's sample count)."""

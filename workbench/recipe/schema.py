@@ -55,12 +55,19 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "arithmetic"  # arithmetic | gsm8k | math500 | aime2024 | file
-    path: str | None = None  # local .jsonl/.json/.parquet instead of the hub
-    fields: dict[str, str] | None = None  # our column -> file column: question, answer, id
-    split: str = "train"  # the split GRPO trains on
+    # a preset that names its own sources (arithmetic | gsm8k | math500 | aime2024), or file: the sources below
+    name: str = "arithmetic"
+    # each split's source (workbench/tasks/task.py), replacing the preset's: a local .jsonl/.json/.parquet path, or
+    # {path: FILE} / {hub: org/name, config: CONFIG, split: SPLIT}, each with optional fields. A validation or test
+    # split without one is carved from the training source by data.seed (validation_size / heldout_size rows)
+    train: Any = None  # the rows GRPO trains on (None: the preset's)
+    validation: Any = None  # the rows settings are chosen on (None: the preset's, else carved from data.train)
+    test: Any = None  # the rows results are reported on (None: the preset's, else carved from data.train)
+    path: str | None = None  # the training file (shorthand for data.train: FILE)
+    fields: dict[str, str] | None = None  # our column -> the sources' columns: question, answer, id
+    split: str = "train"  # the split GRPO trains on: always train (its source is data.train)
     seed: int = 0  # the data: arithmetic's splits and the tiny model built on them (trainer.seed: the training's)
-    heldout_size: int = 300  # arithmetic only: problems kept out of training, the test split ("heldout")
+    heldout_size: int = 300  # the test split's size where it is drawn: arithmetic, or carved from data.train
     # problems kept out of training for choosing settings (eval.split: validation; `workbench protocol`):
     # arithmetic draws them, gsm8k takes its train split's last rows
     validation_size: int = 300

@@ -23,7 +23,6 @@ from workbench.recipe import Resolved
 from workbench.rundir import StageDir, write_atomic
 from workbench.serving import launch, vllm_cpu
 from workbench.tasks import rewards
-from workbench.tasks.dataset import eval_rows
 from workbench.tasks.grading import grade
 from workbench.tinymodel import ensure_model
 
@@ -139,7 +138,7 @@ def generate(rr: Resolved, model_path: str | None = None, num_prompts: int = 8, 
              temperature: float = 0.0, log=print) -> OfflineResult:
     recipe = rr.recipe
     model_path = model_path or ensure_model(rr, log=log)
-    rows = eval_rows(recipe)[:num_prompts]
+    rows = rr.task.eval_rows(recipe.eval)[:num_prompts]
     if not rows:
         raise WorkbenchError("the evaluation split has no rows", "check the recipe's data and eval sections")
     llm, seconds = engine(rr, model_path, log=log)

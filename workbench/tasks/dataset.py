@@ -25,14 +25,10 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from workbench.errors import WorkbenchError
 from workbench.tasks import arithmetic
-
-if TYPE_CHECKING:
-    import datasets
-
 
 def _gsm8k_answer(text: str) -> str:
     # GSM8K answers are worked solutions ending "#### 1,234"; a file with answers already reduced has no '####'.
@@ -109,75 +105,61 @@ def load_rows(
     spec = DATASETS[name]
     columns = _field_map(name, spec["fields"], fields)
     if path is not None:
-        records = _read_file(path)
+        records = read_file(path)
         where, source = f"{name} file {path}", Path(path).stem if name == "file" else name
     elif name == "file":
         raise WorkbenchError("dataset 'file' needs a path", "set data.path to a local .jsonl, .json or .parquet file")
     else:
-        records = list(enumerate(_load_hub(name, split, spec), start=1))
+        if split not in spec["splits"]:
+            raise WorkbenchError(f"dataset {name!r} has no split {split!r}", f"use one of: {', '.join(spec['splits'])}")
+        hub_id, config = spec["hub"]
+        records = hub_records(hub_id, config, spec["splits"][split], name=name, fields=spec["fields"])
         records = _carve_validation(name, split, spec, records, validation_size)
         where, source = f"{name} from the hub", name
-    # jsonl rows are numbered by line, so that an error points at the line an editor shows.
-    unit = "line" if path and Path(path).suffix.lower() == ".jsonl" else "row"
-
-    rows = []
-    seen_ids: set[str] = set()
-    for number, record in records[:limit]:
-        at = f"{where} {unit} {number}"
-        if not isinstance(record, Mapping):
-            raise WorkbenchError(f"{at} is a {type(record).__name__}, not an object",
-                                 "write one JSON object (question, answer, ...) per row")
-        question = _field(record, columns["question"], at)
-        gold = spec["extract"](str(_field(record, columns["answer"], at)))
-        row_id = str(_field(record, columns["id"], at)) if "id" in columns else f"{source}-{split}-{number}"
-        if row_id in seen_ids:
-            raise WorkbenchError(f"{at} repeats id {row_id!r}",
-                                 "give every row its own id, or drop 'id' from data.fields to number rows instead")
-        seen_ids.add(row_id)
-        rows.append({"prompt": _prompt(str(question), system_prompt, instruction), "answer": gold,
-                     "id": row_id, "source": source})
+    rows = to_rows(records[:limit], columns, spec["extract"], where=where, source=source, split=split,
+                   unit=row_unit(path), system_prompt=system_prompt, instruction=instruction)
     if not rows:
         raise WorkbenchError(f"{where} has no rows", "point data.path at a file with at least one row")
     return rows
 
 
-def recipe_rows(recipe, split: str | None = None, tokenizer=None, limit: int | None = None) -> list[dict]:
-    """The rows a recipe's data section names; with a tokenizer, prompts longer than data.max_prompt_length are an error.
+# the columns every row has; a source's own column of the same name would be overwritten, so it is refused
+RESERVED = ("prompt", "answer", "id", "source")
 
-    `split` defaults to data.split (training), whose rows are cut to data.train_size.
-    """
-    data = recipe.data
-    split = split or data.split
-    if limit is None and split == data.split:
-        limit = data.train_size
-    rows = load_rows(data.name, split, path=data.path, fields=data.fields, limit=limit, seed=data.seed,
-                     system_prompt=data.system_prompt, instruction=data.instruction, heldout_size=data.heldout_size,
-                     validation_size=data.validation_size)
-    if tokenizer is not None:
-        longest = max_prompt_tokens(rows, tokenizer)
-        if longest > data.max_prompt_length:
-            raise WorkbenchError(
-                f"the longest {data.name} {split} prompt is {longest} tokens, over data.max_prompt_length="
-                f"{data.max_prompt_length}",
-                f"raise data.max_prompt_length to {longest} (and server.max_model_len with it), or use shorter prompts")
+
+def to_rows(records: list[tuple[int, Any]], columns: dict, extract, where: str, source: str, split: str,
+            unit: str = "row", system_prompt: str | None = None, instruction: str | None = None) -> list[dict]:
+    """Workbench rows from (number, record) pairs: the mapped question/answer/id, and every other column of the
+    record as it is (a test list, a rubric, a reference solution), which TRL hands to each reward function as a
+    keyword argument of the same name."""
+    mapped = {columns[k] for k in FIELD_KEYS if k in columns}
+    rows = []
+    seen_ids: set[str] = set()
+    for number, record in records:
+        at = f"{where} {unit} {number}"
+        if not isinstance(record, Mapping):
+            raise WorkbenchError(f"{at} is a {type(record).__name__}, not an object",
+                                 "write one JSON object (question, answer, ...) per row")
+        question = _field(record, columns["question"], at)
+        gold = extract(str(_field(record, columns["answer"], at)))
+        row_id = str(_field(record, columns["id"], at)) if "id" in columns else f"{source}-{split}-{number}"
+        if row_id in seen_ids:
+            raise WorkbenchError(f"{at} repeats id {row_id!r}",
+                                 "give every row its own id, or drop 'id' from data.fields to number rows instead")
+        seen_ids.add(row_id)
+        clash = sorted(k for k in record if k in RESERVED and k not in mapped)
+        if clash:
+            raise WorkbenchError(f"{at} has a column named {clash[0]!r}, a name every workbench row uses itself",
+                                 f"rename that column, or map it in data.fields (e.g. answer: {clash[0]})")
+        extra = {k: v for k, v in record.items() if k not in mapped}
+        rows.append({**extra, "prompt": prompt_messages(str(question), system_prompt, instruction), "answer": gold,
+                     "id": row_id, "source": source})
     return rows
 
 
-def eval_rows(recipe) -> list[dict]:
-    """The rows the recipe's eval section scores (eval.split, the first eval.num_samples)."""
-    rows = recipe_rows(recipe, split=recipe.eval.split, limit=recipe.eval.num_samples)
-    if len(rows) < recipe.eval.num_samples and recipe.data.name == "arithmetic":
-        size = "data.validation_size" if recipe.eval.split == "validation" else "data.heldout_size"
-        raise WorkbenchError(f"eval.num_samples={recipe.eval.num_samples} but the {recipe.eval.split} split has "
-                             f"{len(rows)}", f"raise {size} or lower eval.num_samples")
-    return rows
-
-
-def to_hf_dataset(rows: list[dict]) -> datasets.Dataset:
-    """Rows as a datasets.Dataset, the form TRL's GRPOTrainer takes."""
-    import datasets
-
-    return datasets.Dataset.from_list(rows)
+def row_unit(path: str | None) -> str:
+    # jsonl rows are numbered by line, so that an error points at the line an editor shows.
+    return "line" if path and Path(path).suffix.lower() == ".jsonl" else "row"
 
 
 def max_prompt_tokens(rows: Iterable[dict], tokenizer) -> int:
@@ -193,7 +175,7 @@ def max_prompt_tokens(rows: Iterable[dict], tokenizer) -> int:
     return longest
 
 
-def _prompt(question: str, system_prompt: str | None, instruction: str | None) -> list[dict]:
+def prompt_messages(question: str, system_prompt: str | None, instruction: str | None) -> list[dict]:
     user = f"{question}\n{instruction}" if instruction else question
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return messages + [{"role": "user", "content": user}]
@@ -225,7 +207,7 @@ def _arithmetic(split: str, path: str | None, limit: int | None, seed: int, held
     rows = arithmetic.rows(split, seed=seed, heldout_size=heldout_size, limit=limit, validation_size=validation_size)
     if system_prompt or instruction:
         for row in rows:
-            row["prompt"] = _prompt(row["prompt"][-1]["content"], system_prompt, instruction)
+            row["prompt"] = prompt_messages(row["prompt"][-1]["content"], system_prompt, instruction)
     return rows
 
 
@@ -246,7 +228,7 @@ def _field(record: Mapping, column: str, at: str) -> Any:
     return value
 
 
-def _read_file(path: str) -> list[tuple[int, Any]]:
+def read_file(path: str) -> list[tuple[int, Any]]:
     """(row number, record) pairs: the line number for .jsonl, the 1-based position otherwise."""
     file = Path(path)
     if not file.is_file():
@@ -285,21 +267,25 @@ def _read_jsonl(file: Path) -> Iterable[tuple[int, Any]]:
                                      "write one JSON object per line") from None
 
 
-def _load_hub(name: str, split: str, spec: dict) -> Iterable[Mapping]:
-    """The split from the hub, or from the local hub cache when the hub cannot be reached."""
-    hub_id, config = spec["hub"]
-    if split not in spec["splits"]:
-        raise WorkbenchError(f"dataset {name!r} has no split {split!r}", f"use one of: {', '.join(spec['splits'])}")
-    fix = (f"download {hub_id} where the hub is reachable, save the split as .jsonl or .parquet, and set data.path "
-           f"to it (data.fields if its columns are not {', '.join(spec['fields'].values())})")
+def hub_records(hub_id: str, config: str | None, split: str, name: str | None = None,
+                fields: dict | None = None) -> list[tuple[int, Any]]:
+    """(row number, record) pairs of one hub split, or of the local hub cache when the hub cannot be reached."""
+    name = name or hub_id
+    columns = ", ".join((fields or {}).values()) or "question, answer"
+    fix = (f"download {hub_id} where the hub is reachable (or set HF_ENDPOINT to a mirror), save the split as .jsonl "
+           f"or .parquet, and name it as the split's source, e.g. data.test: {{path: FILE}} (data.fields if its "
+           f"columns are not {columns})")
     import datasets
 
     try:
         with _cache_only(not _hub_reachable()):
-            return datasets.load_dataset(hub_id, config, split=spec["splits"][split])
+            loaded = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:  # noqa: BLE001 - any failure here means "no copy of this dataset", with one fix
         reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        raise WorkbenchError(f"cannot load {name} ({hub_id}) from the hub or its cache: {reason}", fix) from None
+        raise WorkbenchError(f"cannot load {name} ({hub_id}"
+                             f"{', ' + config if config else ''}, split {split}) from the hub or its cache: {reason}",
+                             fix) from None
+    return list(enumerate(loaded, start=1))
 
 
 def _hub_reachable() -> bool:

@@ -136,11 +136,6 @@ def check(spec: RewardSpec) -> Callable:
         raise WorkbenchError(f"{where}.args has {unknown}, which {spec.function} does not name as parameters",
                              f"its parameters are {sorted(named - {'prompts', 'completions'})}; a **kwargs "
                              "catch-all would also receive TRL's columns, so args must be named parameters")
-    required = [n for n, p in params.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
-                p.KEYWORD_ONLY) and n not in ("prompts", "completions") and n not in spec.args]
-    if required:
-        raise WorkbenchError(f"{where}: {spec.function} requires {required}, which neither args nor TRL provide "
-                             "for sure", f"give them in rewards.{spec.name}.args, or default them in the function")
     return fn
 
 
@@ -169,6 +164,18 @@ def problems(rewards: dict) -> list[WorkbenchError]:
     return found
 
 
+TRL_KEYWORDS = ("completion_ids", "trainer_state", "log_extra", "log_metric")  # what TRL adds to the columns
+
+
+def _required(spec: RewardSpec) -> list[str]:
+    try:
+        params = inspect.signature(spec.resolve()).parameters
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in params.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+            p.KEYWORD_ONLY) and n not in ("prompts", "completions") and n not in spec.args]
+
+
 def probe(spec: RewardSpec, rows: list[dict]) -> None:
     """Call the reward as TRL would on a few training rows (a well-formed answer and an empty completion each),
     before training: an exception or a return value that is not one finite number (or None) per completion is an
@@ -184,6 +191,14 @@ def probe(spec: RewardSpec, rows: list[dict]) -> None:
     prompts = [row["prompt"] for row in rows for _ in range(2)]
     columns = {k: [row.get(k) for row in rows for _ in range(2)] for k in rows[0] if k != "prompt"}
     where = f"rewards.{spec.name} ({spec.function})"
+    # a parameter without a default must be an arg or a column of the rows (a data file's own columns come as
+    # keywords), which only the rows can tell: checked here, before the call would fail on it
+    required = [n for n in _required(spec) if n not in columns and n not in TRL_KEYWORDS]
+    if required:
+        raise WorkbenchError(f"rewards.{spec.name}: {spec.function} requires {required}, which is neither in its args "
+                             f"nor a column of the training rows (they have: {', '.join(sorted(columns))})",
+                             f"give it in rewards.{spec.name}.args, add the column to the data, map it with "
+                             "data.fields, or default it in the function")
     try:
         scores = fn(prompts, completions, completion_ids=[[] for _ in completions], trainer_state=None,
                     log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None, **columns)

@@ -20,7 +20,6 @@ from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
 from workbench.records import append_event, append_jsonl
 from workbench.rundir import TrainDir
-from workbench.tasks import dataset
 
 # (warn, stop) in nats per token when the recipe leaves them unset: float32 agrees to rounding; 16-bit kernels of the
 # server and the trainer differ by a few hundredths even when the weights are identical.
@@ -54,7 +53,7 @@ def thresholds(rr: Resolved) -> tuple[float, float]:
 
 def probe_sequences(rr: Resolved, tokenizer, count: int = PROBES) -> list[list[int]]:
     """Token ids of the probe set: chat-templated prompt + the gold answer as the tasks format it."""
-    rows = dataset.recipe_rows(rr.recipe, limit=count)
+    rows = rr.task.rows("train", limit=count)
     out = []
     for row in rows:
         text = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)

@@ -17,7 +17,7 @@ from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
 from workbench.recipe.load import RecipeProblems
 from workbench.serving import client, launch
-from workbench.tasks import dataset, rewardspec
+from workbench.tasks import rewardspec
 from workbench.training import launch as placement
 
 
@@ -106,13 +106,13 @@ def preflight(rr: Resolved) -> None:
                 "steps_per_generation or num_generations)"))
     rows: list[dict] = []
     try:
-        rows = dataset.recipe_rows(rr.recipe)
+        rows = rr.task.rows("train")
     except WorkbenchError as exc:
         problems.append(exc)
     reward_problems = rewardspec.problems(rr.recipe.rewards)
     problems += reward_problems
     if not reward_problems and rows:  # each reward called on a few training rows: a bad return stops it here
-        for spec in rewardspec.parse(rr.recipe.rewards):
+        for spec in rr.task.reward_specs:
             try:
                 rewardspec.probe(spec, rows)
             except WorkbenchError as exc:

@@ -29,10 +29,8 @@ KEY = "drift/kl_start"
 
 def answer_starts(rr: Resolved, tokenizer, sequences: list[list[int]]) -> list[int]:
     """Where each probe's answer begins: the length of its chat-templated prompt (the generation prompt included)."""
-    from workbench.tasks import dataset
-
     starts = []
-    for row, ids in zip(dataset.recipe_rows(rr.recipe, limit=len(sequences)), sequences):
+    for row, ids in zip(rr.task.rows("train", limit=len(sequences)), sequences):
         prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         n = len(tokenizer.encode(prompt, add_special_tokens=False))
         starts.append(min(n, len(ids) - 1))

@@ -36,7 +36,7 @@ from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
 from workbench.records import append_jsonl
 from workbench.rundir import TrainDir
-from workbench.tasks import dataset, grading, rewards
+from workbench.tasks import grading, rewards
 
 
 class EvalCurve:
@@ -55,7 +55,7 @@ class EvalCurve:
         e = rr.recipe.eval
         if e.every_steps <= 0:
             return None
-        rows = dataset.recipe_rows(rr.recipe, split=e.during_split, limit=e.during_samples)
+        rows = rr.task.rows(e.during_split, limit=e.during_samples)
         if not rows:
             raise WorkbenchError(f"eval.every_steps: the {e.during_split} split has no rows to score",
                                  "set data.validation_size above 0, or eval.every_steps=0")

@@ -34,7 +34,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from workbench.recipe import Resolved
 from workbench.rundir import TrainDir
 from workbench.serving import client, sync
-from workbench.tasks import dataset, rewards, rewardspec
+from workbench.tasks import rewards
 from workbench.training.canary import Canary
 from workbench.training.evalcurve import EvalCurve
 from workbench.training.config import grpo_config
@@ -645,19 +645,18 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
     args = grpo_config(rr, str(output_dir))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokenizer.padding_side = "left"
-    rows = dataset.recipe_rows(recipe, tokenizer=tokenizer)
     dtype = "auto" if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     canary = Canary.for_recipe(rr, train_dir, tokenizer, log=log) if train_dir is not None else None
     drift = Drift.for_recipe(rr, train_dir, tokenizer) if train_dir is not None else None
-    train_dataset = dataset.to_hf_dataset(rows)
+    train_dataset = rr.task.train_dataset(tokenizer)
     # refills draw from the training split with the training seed: another seed, other refill prompts
     dynamic = (DynamicSampler(train_dataset, recipe.rollout.refill_cap, seed=args.seed)
                if recipe.rollout.dynamic_sampling else None)
     trainer = WorkbenchGRPOTrainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=train_dataset, dynamic=dynamic,
         peft_config=lora_config(rr) if recipe.lora else None,
-        reward_funcs=[rewards.guarded(spec) for spec in rewardspec.specs(recipe.rewards)],
+        reward_funcs=[rewards.guarded(spec) for spec in rr.task.reward_specs],
         weight_sync=weight_sync, headers=rr.headers, request_timeout=recipe.server.request_timeout_s,
         canary=canary, recovery=recovery,
         server_logprobs=lambda ids, model=None: client.sequence_logprobs(rr, ids, model=model),
