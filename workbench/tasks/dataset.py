@@ -100,7 +100,7 @@ def load_rows(
     if limit is not None and limit < 1:
         raise WorkbenchError(f"limit={limit} keeps no rows", "set limit to a positive number, or leave it out")
     if name == "arithmetic":
-        return _arithmetic(split, path, limit, seed, heldout_size, validation_size, system_prompt, instruction)
+        return generated_rows(split, seed, heldout_size, validation_size, system_prompt, instruction, path, limit)
 
     spec = DATASETS[name]
     columns = _field_map(name, spec["fields"], fields)
@@ -157,6 +157,23 @@ def to_rows(records: list[tuple[int, Any]], columns: dict, extract, where: str, 
     return rows
 
 
+def source_rows(kind: str, where: str, config: str | None, split: str | None, columns: dict, extract,
+                source: str, label: str, system_prompt: str | None = None,
+                instruction: str | None = None) -> list[dict]:
+    """Every row of one source: a local file (`where` its path) or a hub split (`where` its id); `label` goes in
+    numbered ids ("<source>-<label>-<n>")."""
+    if kind == "file":
+        records, at, unit = read_file(where), f"file {where}", row_unit(where)
+    else:
+        records = hub_records(where, config, split, fields=columns)
+        at, unit = f"hub {where}" + (f" ({config})" if config else "") + f" split {split}", "row"
+    rows = to_rows(records, columns, extract, where=at, source=source, split=label, unit=unit,
+                   system_prompt=system_prompt, instruction=instruction)
+    if not rows:
+        raise WorkbenchError(f"{at} has no rows", "point the split's source at a file with rows")
+    return rows
+
+
 def row_unit(path: str | None) -> str:
     # jsonl rows are numbered by line, so that an error points at the line an editor shows.
     return "line" if path and Path(path).suffix.lower() == ".jsonl" else "row"
@@ -198,8 +215,9 @@ def _carve_validation(name: str, split: str, spec: dict, records: list, size: in
     return records[:-size] if size > 0 else records
 
 
-def _arithmetic(split: str, path: str | None, limit: int | None, seed: int, heldout_size: int, validation_size: int,
-                system_prompt: str | None, instruction: str | None) -> list[dict]:
+def generated_rows(split: str, seed: int, heldout_size: int, validation_size: int, system_prompt: str | None = None,
+                   instruction: str | None = None, path: str | None = None, limit: int | None = None) -> list[dict]:
+    """One split of the generated arithmetic task (workbench/tasks/arithmetic.py), prompts as the recipe asks."""
     if path is not None:
         # Silently ignoring the path would train on something other than what the recipe says.
         raise WorkbenchError("dataset 'arithmetic' is generated and reads no file",

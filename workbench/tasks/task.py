@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workbench.errors import WorkbenchError
-from workbench.tasks import arithmetic, dataset, rewardspec
+from workbench.tasks import dataset, rewardspec
 
 if TYPE_CHECKING:
     import datasets
@@ -154,12 +154,8 @@ class Task:
                                  "it from the training source")
         d = self.data
         if src.kind == "generated":
-            rows = arithmetic.rows(src.split, seed=d.seed, heldout_size=d.heldout_size,
-                                   validation_size=d.validation_size)
-            if d.system_prompt or d.instruction:
-                for row in rows:
-                    row["prompt"] = dataset.prompt_messages(row["prompt"][-1]["content"], d.system_prompt, d.instruction)
-            return rows
+            return dataset.generated_rows(src.split, d.seed, d.heldout_size, d.validation_size, d.system_prompt,
+                                          d.instruction)
         whole = self._origin_rows(src)
         if not src.carve:
             return whole
@@ -171,19 +167,12 @@ class Task:
             preset = dataset.DATASETS.get(self.data.name, dataset.DATASETS["file"])
             columns = {**preset["fields"], **(self.data.fields or {}), **dict(src.fields)}
             if src.kind == "file":
-                records = dataset.read_file(src.where)
-                where, name = f"file {src.where}", (Path(src.where).stem if self.data.name == "file"
-                                                    else self.data.name)
+                name = Path(src.where).stem if self.data.name == "file" else self.data.name
             else:
-                records = dataset.hub_records(src.where, src.config, src.split, fields=columns)
-                where = f"hub {src.where}" + (f" ({src.config})" if src.config else "") + f" split {src.split}"
                 name = self.data.name if self.data.name != "file" else src.where.rsplit("/", 1)[-1]
             label = {"file": "train" if src.carve else _role_of(self.sources, src), "hub": src.split}[src.kind]
-            rows = dataset.to_rows(records, columns, preset["extract"], where=where, source=name, split=label,
-                                   unit=dataset.row_unit(src.where if src.kind == "file" else None),
-                                   system_prompt=self.data.system_prompt, instruction=self.data.instruction)
-            if not rows:
-                raise WorkbenchError(f"{where} has no rows", "point the split's source at a file with rows")
+            rows = dataset.source_rows(src.kind, src.where, src.config, src.split, columns, preset["extract"], name,
+                                       label, self.data.system_prompt, self.data.instruction)
             self._carved[key] = {"whole": rows}
         return self._carved[key]["whole"]
 
