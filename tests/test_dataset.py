@@ -219,6 +219,13 @@ def test_nonpositive_limit():
         load_rows("arithmetic", "train", limit=0)
 
 
+def test_a_carved_split_is_only_read_through_the_task():
+    """gsm8k's validation is a carve of its train split; only the Task makes it, so training leaves it out."""
+    with pytest.raises(WorkbenchError) as exc:
+        load_rows("gsm8k", "validation")
+    assert "carved" in one_line(exc) and "Task.build(recipe).rows('validation')" in one_line(exc)
+
+
 def test_split_an_eval_set_does_not_have():
     with pytest.raises(WorkbenchError) as exc:
         load_rows("math500", "train")

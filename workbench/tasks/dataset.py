@@ -85,15 +85,16 @@ def load_rows(
     heldout_size: int = 300,
     validation_size: int = 300,
 ) -> list[dict]:
-    """Rows of one dataset split, in file (or hub) order.
+    """Rows of one source as it stands (a dataset's hub split, or a file), in its order: a look at one source.
 
+    A run's splits come from its Task (workbench/tasks/task.py), which alone carves a validation or test split
+    out of a training source and keeps those rows out of training; so here gsm8k's "train" is the whole hub
+    split, and a split that only a carve makes (gsm8k's "validation") is refused with that pointer.
     With `path`, the file is the split: `split` is not checked. `fields` maps our columns ("question",
     "answer", optional "id") to the file's columns, over the dataset's defaults. `limit` keeps the first N rows
-    in that order (no shuffle; the trainer shuffles). `seed` and `heldout_size` only matter for "arithmetic",
-    whose splits are drawn from them. `validation_size` is the validation split's size: arithmetic draws it, a hub
-    dataset whose validation maps onto its train split (gsm8k) takes that split's last rows and leaves them out
-    of "train". `instruction` goes on a new line after the question; `system_prompt`
-    becomes a first, system message.
+    in that order (no shuffle; the trainer shuffles). `seed`, `heldout_size` and `validation_size` only matter
+    for "arithmetic", whose splits are drawn from them. `instruction` goes on a new line after the question;
+    `system_prompt` becomes a first, system message.
     """
     if name not in KNOWN:
         raise WorkbenchError(f"unknown dataset {name!r}", f"use one of: {', '.join(KNOWN)}")
@@ -112,9 +113,12 @@ def load_rows(
     else:
         if split not in spec["splits"]:
             raise WorkbenchError(f"dataset {name!r} has no split {split!r}", f"use one of: {', '.join(spec['splits'])}")
+        if split == "validation" and spec["splits"]["validation"] == spec["splits"].get("train"):
+            raise WorkbenchError(f"{name}'s validation split is carved from its train split, by a run's Task",
+                                 "read it with Task.build(recipe).rows('validation'), which also leaves it out of "
+                                 "training")
         hub_id, config = spec["hub"]
         records = hub_records(hub_id, config, spec["splits"][split], name=name, fields=spec["fields"])
-        records = _carve_validation(name, split, spec, records, validation_size)
         where, source = f"{name} from the hub", name
     rows = to_rows(records[:limit], columns, spec["extract"], where=where, source=source, split=split,
                    unit=row_unit(path), system_prompt=system_prompt, instruction=instruction)
@@ -196,23 +200,6 @@ def prompt_messages(question: str, system_prompt: str | None, instruction: str |
     user = f"{question}\n{instruction}" if instruction else question
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return messages + [{"role": "user", "content": user}]
-
-
-def _carve_validation(name: str, split: str, spec: dict, records: list, size: int) -> list:
-    """A validation split carved from the end of the hub's train split: its rows, or the train split without them."""
-    if spec["splits"].get("validation") is None or spec["splits"]["validation"] != spec["splits"].get("train"):
-        return records
-    if split not in ("train", "validation"):
-        return records
-    if split == "validation" and size < 1:
-        raise WorkbenchError(f"the {name} validation split is empty (data.validation_size={size})",
-                             "set data.validation_size to the number of training rows to keep for choosing settings")
-    if size >= len(records):
-        raise WorkbenchError(f"data.validation_size={size} takes all {len(records)} {name} training rows",
-                             "choose a validation size below the training split's size")
-    if split == "validation":
-        return records[-size:]
-    return records[:-size] if size > 0 else records
 
 
 def generated_rows(split: str, seed: int, heldout_size: int, validation_size: int, system_prompt: str | None = None,
