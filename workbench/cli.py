@@ -193,7 +193,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from workbench import plan  # lazy: yaml
 
-    print(plan.plan(_resolved(args)).text())
+    the_plan = plan.plan(_resolved(args), args.recipe, tuple(args.overrides))
+    if args.emit == "text":
+        print(the_plan.text())
+    else:
+        print(plan.script(the_plan, args.emit), end="")
     return 0
 
 
@@ -409,8 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
             "workbench.training.export", cmd_export, run_dir=True)
     p.add_argument("--merge", action="store_true", help="merge the run's LoRA adapter into its base model")
     p.add_argument("--out", metavar="DIR", help="where the model goes (default: RUN/train/merged)")
-    add("plan", "what each node runs: commands, environment, devices, ports, memory per device", "workbench.plan",
-        cmd_plan)
+    p = add("plan", "what each node runs: commands, environment, devices, ports, memory per device",
+            "workbench.plan", cmd_plan)
+    p.add_argument("--emit", choices=["text", "shell", "slurm"], default="text",
+                   help="text: the plan; shell: one script for every node (bash SCRIPT NODE); slurm: an sbatch "
+                        "script for the recipe's nodes")
     add("stop", "ask a training run to checkpoint and stop after its current step", None, cmd_stop, run_dir=True,
         description="Ask a running training to stop cleanly: writes the run's STOP file; the trainer saves a "
                     "checkpoint at the end of its current step and ends (resume it with `workbench train --resume "

@@ -13,6 +13,24 @@ max_model_len × max_num_seqs, against the card's memory, with a warning where i
 The estimate needs the model's shape: config.json from a local model directory or the Hugging Face cache, else
 a shipped table of common architectures (workbench/platform/models.yaml). It is an estimate (framework overheads,
 fragmentation and the allocator's reserve are not modelled), printed with its assumptions.
+
+Launch scripts, written from the plan (`--emit shell` or `--emit slurm`, the end of this module):
+
+    workbench plan --recipe ascend-910b-2node --emit shell > launch.sh    # then on each machine: bash launch.sh NODE
+    workbench plan --recipe ascend-910b-2node --emit slurm > job.sbatch   # then: sbatch job.sbatch
+
+Each node runs exactly the `start` command the plan prints for it: the recipe as given
+and every override, so what a scheduler starts is what the plan says. A value (an address, an interface, a port)
+is changed by emitting again with an override (docs/multi-node.md names them), never by editing the script.
+
+- shell: one script with a section per node (`server`, `0`, `1`, ...), the recipe's addresses as they are. A
+  training node that attaches to a server node waits for its /health first.
+- slurm: nodes come from the allocation (the first serves when the recipe has a server node, the next train), so
+  the addresses are looked up at run time: each node's IPv4 address on the interface the recipe's collectives use
+  (devices.env *_SOCKET_IFNAME), else its host name, passed as `server.url=...` and `distributed.main_address=...`
+  after the other overrides. Whole nodes are asked for (`--exclusive`): the recipe names physical cards.
+Every step activates the workbench's virtual environment (WORKBENCH_VENV, default .venv in the submit directory)
+and, on Ascend, sources CANN's set_env.sh first (ASCEND_SET_ENV overrides its path).
 """
 from __future__ import annotations
 
@@ -34,6 +52,9 @@ MODELS_FILE = Path(__file__).parent / "platform" / "models.yaml"
 CARD_GIB = {"npu": 64.0, "cuda": 80.0}  # 910B2/B3 and A100/H100-80G; distributed.device_memory_gib overrides
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 GIB = 2**30
+ASCEND_SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
+ATB_SET_ENV = "/usr/local/Ascend/nnal/atb/set_env.sh"
+HEALTH_WAIT_EXTRA_S = 60  # beyond server.startup_timeout_s: the server node's own start (imports, venv)
 
 
 @dataclass
@@ -185,16 +206,21 @@ class Node:
     address: str
     processes: list[dict] = field(default_factory=list)  # {role, command, env, devices}
     ports: list[str] = field(default_factory=list)
+    start: list[str] = field(default_factory=list)  # the one workbench command that starts this node's part
+    role: str = "train"  # serve (a server node of its own) | train (a training node)
+    rank: int = 0  # the training node's distributed.node_rank
 
 
 def _env_text(env: dict) -> str:
     return " ".join(f"{k}={shlex.quote(str(v))}" for k, v in sorted(env.items()))
 
 
-def nodes(rr: Resolved) -> list[Node]:
+def nodes(rr: Resolved, recipe_arg: str | None = None, overrides: tuple[str, ...] = ()) -> list[Node]:
     """Who runs what: the server's node (its own when the server is attached from another machine) and each
-    training node."""
+    training node. Each node's `start` is the command typed there (or run there by a scheduler,
+    the launch scripts below): the recipe as given (`recipe_arg`, default its name) and every override."""
     r = rr.recipe
+    given = ["--recipe", recipe_arg or r.name, *overrides]
     d = r.distributed
     model = rr.model_path
     server_cmd = " ".join(serving_launch.command(rr, model))
@@ -205,15 +231,16 @@ def nodes(rr: Resolved) -> list[Node]:
     remote_server = r.server.attached
     if remote_server:
         host = rr.server_url.split("//", 1)[1].rsplit(":", 1)[0]
-        node = Node("server node", host)
+        node = Node("server node", host, role="serve",
+                    start=["workbench", "serve", "--for-training", *given, "server.mode=managed"])
         node.processes.append({"role": "server", "devices": list(rr.server.devices), "env": server_env,
-                               "command": f"workbench serve --for-training --recipe {r.name} server.mode=managed"
-                                          f"   # = {server_cmd}"})
+                               "command": server_cmd + "   # what the start command runs here"})
         node.ports.append(f"{r.server.port}/tcp: the OpenAI API and weight-update endpoints (the trainer node only)")
         out.append(node)
     for rank in range(d.nodes):
         address = d.main_address if rank == 0 else f"<node {rank} address>"
-        node = Node(f"training node {rank}" if d.nodes > 1 else "training node", address)
+        node = Node(f"training node {rank}" if d.nodes > 1 else "training node", address, rank=rank,
+                    start=["workbench", "train", *given] + ([f"distributed.node_rank={rank}"] if d.nodes > 1 else []))
         if rank == 0 and not remote_server and not r.server.in_process:
             node.processes.append({"role": "server", "devices": list(rr.server.devices), "env": server_env,
                                    "command": server_cmd + "   # started by `workbench train`, stopped with it"})
@@ -224,10 +251,9 @@ def nodes(rr: Resolved) -> list[Node]:
             if rank == 0:
                 note = "   # what `workbench train` runs here once the server is up"
             else:  # no server here: only node 0's main rank talks to it
-                # node 0's run recipe: every override included (the recipe's name alone would lose them)
-                command = f"workbench train --recipe runs/<id>/recipe.yaml distributed.node_rank={rank}"
-                note = (f"   # node 0's run recipe copied here; = accelerate launch with machine_rank {rank}; "
-                        "starts no server")
+                # the same recipe and overrides as node 0 (or node 0's run recipe, runs/<id>/recipe.yaml)
+                command = shlex.join(node.start)
+                note = f"   # = accelerate launch with machine_rank {rank}; starts no server"
             node.processes.append({"role": f"trainer ×{rr.trainer_processes}", "devices": list(rr.trainer.devices),
                                    "env": trainer_env, "command": command + note})
         else:
@@ -236,7 +262,7 @@ def nodes(rr: Resolved) -> list[Node]:
             placed = ("   # the trainer runs as a child process with this environment" + engine
                       if training_launch.trainer_placement(rr) == "process" else "")
             node.processes.append({"role": "trainer", "devices": list(rr.trainer.devices), "env": trainer_env,
-                                   "command": f"workbench train --recipe {r.name}" + placed})
+                                   "command": shlex.join(node.start) + placed})
         if rank == 0:
             if d.nodes > 1:
                 node.ports.append(f"{d.main_port}/tcp: trainer rendezvous (from the other training nodes)")
@@ -262,11 +288,13 @@ class Plan:
     shape: ModelShape | None
     memory: list[Memory]
     warnings: list[str]
+    resolved: Resolved | None = field(default=None, repr=False)  # what it was planned from (the launch scripts read it)
 
     def text(self) -> str:
         lines = []
         for node in self.nodes:
             lines.append(f"== {node.name} ({node.address})")
+            lines.append(f"  start: {shlex.join(node.start)}")
             for proc in node.processes:
                 lines.append(f"  {proc['role']} on devices {proc['devices']}")
                 lines.append(f"    env: {_env_text(proc['env']) or '(none)'}")
@@ -282,9 +310,10 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(rr: Resolved) -> Plan:
+def plan(rr: Resolved, recipe_arg: str | None = None, overrides: tuple[str, ...] = ()) -> Plan:
     """The recipe's plan; two roles given one card are refused (training.launch.shared_cards), as training refuses
-    them, not planned as if each had the card to itself."""
+    them, not planned as if each had the card to itself. `recipe_arg` and `overrides`: how the recipe was given,
+    so each node's start command carries them."""
     shared = training_launch.shared_cards(rr)
     if shared is not None:
         raise shared
@@ -316,4 +345,183 @@ def plan(rr: Resolved) -> Plan:
     if math.prod([rr.recipe.server.tensor_parallel_size, rr.recipe.server.data_parallel_size]) != \
             len(rr.server.devices) and rr.platform != "cpu":
         warnings.append("server.tensor_parallel_size × data_parallel_size differs from the server's device count")
-    return Plan(nodes(rr), shape, memory, warnings)
+    if rr.recipe.server.attached:
+        url_port = rr.server_url.rstrip("/").rsplit(":", 1)[-1]
+        if url_port.isdigit() and int(url_port) != rr.recipe.server.port:
+            warnings.append(f"server.url names port {url_port} but the server node listens on server.port="
+                            f"{rr.recipe.server.port}: override both together")
+    return Plan(nodes(rr, recipe_arg, tuple(overrides)), shape, memory, warnings, rr)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launch scripts: each node runs its `start` command, nothing else
+
+
+
+
+def script(plan: Plan, kind: str) -> str:
+    """The launch script of `kind` ("shell" or "slurm") for the plan's nodes."""
+    if kind == "shell":
+        return _shell(plan)
+    if kind == "slurm":
+        return _slurm(plan)
+    raise ValueError(f"no launch script of kind {kind!r}")
+
+
+def _interface(plan: Plan) -> str | None:
+    """The network interface the recipe's collectives are bound to: the nodes' addresses are taken on it."""
+    env = plan.resolved.recipe.devices.env
+    for name in ("HCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        if env.get(name):
+            return str(env[name]).split(",")[0].lstrip("^=")
+    return None
+
+
+def _preamble(plan: Plan) -> str:
+    """What every step runs before its command: the venv, and CANN's environment on Ascend."""
+    lines = ['source "${WORKBENCH_VENV:-.venv}/bin/activate"']
+    if plan.resolved.platform == "npu":
+        lines.append(f'source "${{ASCEND_SET_ENV:-{ASCEND_SET_ENV}}}"')
+        lines.append(f'if [ -f {ATB_SET_ENV} ]; then source {ATB_SET_ENV}; fi')
+    return "; ".join(lines) + ";"
+
+
+def _server_wait(plan: Plan) -> int:
+    return int(plan.resolved.recipe.server.startup_timeout_s) + HEALTH_WAIT_EXTRA_S
+
+
+def _invocation(plan: Plan) -> tuple[list[str], list[str]]:
+    """How the recipe was given to `workbench plan`: ["--recipe", R] and the overrides, as the nodes' start
+    commands carry them (less what each node adds: the server node's server.mode, a training node's rank)."""
+    start = plan.nodes[0].start
+    args = start[start.index("--recipe"):]
+    if plan.nodes[0].role == "serve":
+        args = args[:-1]
+    elif plan.resolved.recipe.distributed.nodes > 1:
+        args = args[:-1]
+    return args[:2], args[2:]
+
+
+def _header(plan: Plan, kind: str) -> list[str]:
+    recipe_args, overrides = _invocation(plan)
+    return ["#!/bin/bash",
+            f"# {plan.resolved.recipe.name}: launch lines for {len(plan.nodes)} node(s), written by `workbench plan "
+            f"--emit {kind} {shlex.join(recipe_args + overrides)}`.",
+            "# To change an address, interface or port, emit it again with an override (docs/multi-node.md)."]
+
+
+def _key_check(key: str | None) -> list[str]:
+    if not key:
+        return []
+    return [f': "${{{key}:?export the server key in {key} first (server.api_key_env; never written here)}}"']
+
+
+def _nonempty(var: str, node: str, interface: str | None) -> str:
+    fix = f"no IPv4 address on {interface}: emit again with the interface the nodes share" if interface else \
+        "no address"
+    return f'[ -n "${var}" ] || {{ echo "node {node} has {fix} (devices.env.HCCL_SOCKET_IFNAME=...)" >&2; exit 1; }}'
+
+
+def _wait_lines(url: str, seconds: int, alive: str | None = None) -> list[str]:
+    """Wait for the server's /health, at most `seconds`; with `alive`, stop early when that process has ended."""
+    lines = [f"deadline=$((SECONDS + {seconds}))",
+             f'until curl -sf "{url}/health" >/dev/null; do']
+    if alive:
+        lines.append(f'  kill -0 "{alive}" 2>/dev/null || {{ echo "the server ended before it answered at {url}: '
+                     'see its output above" >&2; exit 1; }')
+    lines += [f'  (( SECONDS < deadline )) || {{ echo "no answer from {url}/health in {seconds} s" >&2; exit 1; }}',
+              "  sleep 5",
+              "done"]
+    return lines
+
+
+def _shell(plan: Plan) -> str:
+    lines, key = _header(plan, "shell"), plan.resolved.recipe.server.api_key_env
+    names = ["server" if n.role == "serve" else str(n.rank) for n in plan.nodes]
+    lines += [f"# Run on each machine: bash THIS_FILE NODE, NODE one of: {' '.join(names)} (the server first).",
+              f'node=${{1:?"which node this machine is: {" | ".join(names)}"}}',
+              *_key_check(key),
+              _preamble(plan) + "  # before set -u: CANN's set_env.sh reads unset variables",
+              "set -euo pipefail",
+              'case "$node" in']
+    server_url = plan.resolved.server_url
+    for name, node in zip(names, plan.nodes):
+        what = "serves until stopped (Ctrl-C stops vLLM with it)" if node.role == "serve" else "trains"
+        lines.append(f"  {name})  # {node.name} ({node.address}): {what}")
+        if node.role == "train" and plan.nodes[0].role == "serve":
+            lines += ["    " + line for line in _wait_lines(server_url, _server_wait(plan))]
+        lines += [f"    exec {shlex.join(node.start)}", "    ;;"]
+    lines += [f'  *) echo "unknown node $node: use one of: {" ".join(names)}" >&2; exit 2 ;;', "esac"]
+    return "\n".join(lines) + "\n"
+
+
+def _slurm(plan: Plan) -> str:
+    rr = plan.resolved
+    r = rr.recipe
+    lines, key = _header(plan, "slurm"), r.server.api_key_env
+    served = plan.nodes[0].role == "serve"
+    trainers = [n for n in plan.nodes if n.role == "train"]
+    cards = max([len({d for p in n.processes for d in p["devices"]}) for n in plan.nodes] or [0])
+    lines += ["# Submit from the workbench checkout, on a filesystem every node sees: sbatch THIS_FILE",
+              f"#SBATCH --job-name=grpo-{r.name}",
+              f"#SBATCH --nodes={len(plan.nodes)}",
+              "#SBATCH --ntasks-per-node=1",
+              "#SBATCH --exclusive"]
+    if rr.platform == "cuda":
+        lines.append(f"#SBATCH --gpus-per-node={cards}")
+    elif rr.platform == "npu":
+        lines.append(f"##SBATCH --gres=npu:{cards}   # where the cluster's Slurm counts NPUs; --exclusive gives the "
+                     "whole node either way")
+    interface = _interface(plan)
+    recipe_args, overrides = _invocation(plan)
+    address = (f"srun --nodes=1 --ntasks=1 --nodelist=\"$1\" ip -4 -o addr show dev {interface} "
+               "| awk '{split($4, a, \"/\"); print a[1]; exit}'" if interface else 'echo "$1"')
+    lines += ["set -euo pipefail",
+              'cd "${SLURM_SUBMIT_DIR:-$PWD}"',
+              *_key_check(key),
+              f"PREAMBLE={shlex.quote(_preamble(plan))}",
+              "on() {  # on() NODES CMD...: CMD on each of NODES (a comma list), one task a node, after the preamble",
+              '  local where=$1; shift',
+              '  srun --nodes="$(tr , "\\n" <<<"$where" | wc -l)" --ntasks-per-node=1 --nodelist="$where" \\',
+              '    bash -c "$PREAMBLE"\' exec "$@"\' _ "$@"',
+              "}",
+              "on_ranks() {  # as on(), each node given distributed.node_rank: its task's index in the step",
+              '  local where=$1; shift',
+              '  srun --nodes="$(tr , "\\n" <<<"$where" | wc -l)" --ntasks-per-node=1 --nodelist="$where" \\',
+              '    bash -c "$PREAMBLE"\' exec "$@" "distributed.node_rank=$SLURM_PROCID"\' _ "$@"',
+              "}",
+              ("address() {  # a node's IPv4 address on " + (f"{interface}, the interface the recipe's collectives "
+                                                              "use (devices.env)" if interface else
+                                                              "the network: its host name (devices.env names no "
+                                                              "interface)")),
+              f"  {address}",
+              "}",
+              'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+              f'[ "${{#NODES[@]}}" -ge {len(plan.nodes)} ] || {{ echo "the allocation has ${{#NODES[@]}} node(s); '
+              f'this recipe runs on {len(plan.nodes)}: sbatch --nodes={len(plan.nodes)}" >&2; exit 1; }}']
+    first_trainer = 1 if served else 0
+    lines += [f"SERVER_NODE=${{NODES[0]}}" if served else "",
+              f'TRAIN_NODES=$(IFS=,; echo "${{NODES[*]:{first_trainer}}}")',
+              f'MAIN_ADDR=$(address "${{NODES[{first_trainer}]}}")',
+              _nonempty("MAIN_ADDR", f"${{NODES[{first_trainer}]}}", interface)]
+    late = ['"distributed.main_address=$MAIN_ADDR"'] if r.distributed.nodes > 1 or served else []
+    if served:
+        scheme = rr.server_url.split("://", 1)[0]
+        url = f"{scheme}://$SERVER_ADDR:{r.server.port}"
+        lines += ['SERVER_ADDR=$(address "$SERVER_NODE")', _nonempty("SERVER_ADDR", "$SERVER_NODE", interface)]
+        late = [f'"server.url={url}"', *late]
+    lines.append("OVERRIDES=(" + " ".join([shlex.join(overrides)] * bool(overrides) + late) + ")")
+    lines = [line for line in lines if line != ""]
+    train = f'{shlex.join(["workbench", "train", *recipe_args])} "${{OVERRIDES[@]}}"'
+    launcher = "on_ranks" if r.distributed.nodes > 1 else "on"
+    if served:
+        lines += ["# the server node: serves until the training ends",
+                  # srun itself in the background, so that $! is the step srun stops (and signals) when killed
+                  'srun --nodes=1 --ntasks=1 --nodelist="$SERVER_NODE" bash -c "$PREAMBLE"\' exec "$@"\' _ '
+                  f'{shlex.join(["workbench", "serve", "--for-training", *recipe_args])} '
+                  '"${OVERRIDES[@]}" server.mode=managed &',
+                  "SERVER_STEP=$!",
+                  "trap 'kill \"$SERVER_STEP\" 2>/dev/null || true; wait \"$SERVER_STEP\" 2>/dev/null || true' EXIT",
+                  *_wait_lines(url, _server_wait(plan), alive="$SERVER_STEP")]
+    lines += [f"# the training node(s): {len(trainers)}", f'{launcher} "$TRAIN_NODES" {train}']
+    return "\n".join(lines) + "\n"
