@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CURVE_SAMPLES, served_during
+from conftest import CURVE_SAMPLES, served_during, workbench_command
 from test_npusmi import WIDE_DUAL_DIE
 from workbench import recipe, records
 from workbench.errors import WorkbenchError
@@ -300,6 +300,32 @@ def test_report_to_passes_through_next_to_the_workbench_metrics(smoke_run):
     assert "train/reward" in tags and "train/time/step" in tags  # TRL's and the workbench's, in the user's tracker
     assert [e.step for e in accumulator.Scalars("train/loss")] == [1, 2, 3]
     assert run.train.metrics.read_text().count('"loss"') == 3
+
+
+def test_export_writes_the_trained_model_with_its_recipe_and_results_beside_it(smoke_run, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from workbench.training import export
+
+    run, _ = smoke_run
+    with pytest.raises(WorkbenchError, match="already a full model.*drop --merge"):
+        export.check(run, tmp_path / "x", merge=True)
+    out = subprocess.run(workbench_command() + ["export", str(run.path), "--out", str(tmp_path / "model")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    model_dir = tmp_path / "model"
+    assert (model_dir / "workbench-recipe.yaml").read_text() == run.train.recipe.read_text()
+    assert json.loads((model_dir / "workbench-train.json").read_text()) == json.loads(run.train.summary.read_text())
+    assert not list(tmp_path.glob("*.partial"))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    trained = load_file(str(run.train.final / "model.safetensors"))
+    for name, tensor in model.state_dict().items():
+        if name in trained:
+            assert torch.equal(tensor, trained[name]), name
+    with pytest.raises(WorkbenchError, match="model exists"):  # never over an earlier export
+        export.check(run, model_dir, merge=False)
 
 
 # --- a killed run keeps its lines; `workbench stop` asks for a clean stop ------------------------------------------

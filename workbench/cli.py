@@ -409,10 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
             recipe=None)
     p.add_argument("--run-dir", help="train into this run directory (its recipe.yaml when it has one)")
     p.add_argument("--resume", metavar="RUN", help="continue the run's training from its newest checkpoint")
-    p = add("export", "write a run's trained model as a Hugging Face directory (--merge: a LoRA adapter merged in)",
+    p = add("export", "write a run's trained model as a Hugging Face directory with its recipe and results (--merge: a LoRA adapter merged in)",
             "workbench.training.export", cmd_export, run_dir=True)
     p.add_argument("--merge", action="store_true", help="merge the run's LoRA adapter into its base model")
-    p.add_argument("--out", metavar="DIR", help="where the model goes (default: RUN/train/merged)")
+    p.add_argument("--out", metavar="DIR", help="where the model goes (default: RUN/train/merged, or RUN/train/export for a full model)")
     p = add("plan", "what each node runs: commands, environment, devices, ports, memory per device",
             "workbench.plan", cmd_plan)
     p.add_argument("--emit", choices=["text", "shell", "slurm"], default="text",
