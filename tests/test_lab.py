@@ -11,12 +11,15 @@ import secrets
 import signal
 import subprocess
 import time
+import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import KEYED, chromium, free_port, workbench_command
+
+REPO = Path(__file__).resolve().parent.parent
 
 MAX_STEPS = 40
 
@@ -170,3 +173,38 @@ def test_stop_clicked_in_jupyterlab_ends_the_run_early_with_its_checkpoint(tmp_p
     # the live widget gives way to a line saying how the run ended (no Stop button left to click)
     page.wait("document.body.innerText.includes('stopped early at step')", bool, 60, "the ended-run line")
     assert page.js(STOP) is None
+
+
+def test_every_install_route_can_register_the_kernel_for_its_own_python(tmp_path):
+    """`workbench kernel` (what make install runs, and what an accelerator's pip install ends with) registers
+    this environment's Python through ipykernel's own installer."""
+    import subprocess
+
+    from conftest import workbench_command
+
+    out = subprocess.run(workbench_command() + ["kernel", "--prefix", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    spec = json.loads((tmp_path / "share" / "jupyter" / "kernels" / "grpo-workbench" / "kernel.json").read_text())
+    assert spec["argv"][0] == sys.executable and "ipykernel_launcher" in spec["argv"]
+
+
+@pytest.mark.parametrize("dist", ["torch_npu", "vllm_ascend", "nvidia_cuda_runtime_cu12", "vllm"])
+def test_make_refuses_to_install_the_cpu_stack_over_an_accelerator_venv(tmp_path, dist):
+    """make install (demo, lab, test) over a venv that holds an accelerator's stack stops with one line and
+    installs nothing: the Makefile's own rule, on a real venv carrying that distribution's metadata."""
+    import subprocess
+    import sysconfig
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    purelib = sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)})
+    info = Path(purelib) / f"{dist}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    out = subprocess.run(["make", "-C", str(REPO), "install", f"VENV={venv}"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    line = next(line for line in out.stderr.splitlines() if line.startswith("make: ") and "accelerator" in line)
+    assert "workbench kernel" in line and not (venv / ".workbench-installed").exists()
+    assert "pip install" not in out.stdout  # stopped before the first install line

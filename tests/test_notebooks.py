@@ -187,3 +187,54 @@ def test_papermill_cli_takes_overrides_the_obvious_ways(tmp_path, flag, value, e
         notebook.setup("cpu-tiny", parameters["overrides"], parameters["run_dir"])
     saved = yaml.safe_load((run / "recipe.yaml").read_text())
     assert saved["trainer"]["max_steps"] == 7 and saved["eval"]["max_tokens"] == 32
+
+
+# --- the staged notebooks walked by hand: one run directory -----------------------------------------------------
+
+def test_notebooks_opened_by_hand_share_the_newest_walk_of_their_recipe(tmp_path):
+    """00 starts a walk; 01-05 take the newest walk of their recipe; a run_dir given wins; the tools and another
+    recipe make runs of their own."""
+    from workbench import notebook
+
+    runs = [f"monitor.runs_dir={tmp_path / 'runs'}"]
+    said: list[str] = []
+    _, first = notebook.setup("cpu-tiny", runs, "", kind="env", log=said.append)
+    assert first.path.name.endswith("-cpu-tiny-notebooks") and "a new notebook walk" in said[-1]
+    for kind in ("offline", "serving", "smoke", "train", "eval"):
+        _, run = notebook.setup("cpu-tiny", runs, "", kind=kind, log=said.append)
+        assert run.path == first.path and "the newest notebook walk of this recipe" in said[-1], kind
+    _, again = notebook.setup("cpu-tiny", runs, "", kind="env", log=said.append)  # 00 once more: a new walk
+    assert again.path != first.path and notebook.setup("cpu-tiny", runs, "", kind="eval")[1].path == again.path
+    assert notebook.setup("smoke", runs, "", kind="train", log=said.append)[1].path.name.endswith("-smoke-notebooks")
+    assert notebook.setup("cpu-tiny", runs, "", kind="bench")[1].path.name.endswith("-cpu-tiny-bench")
+    chosen = tmp_path / "mine"
+    assert notebook.setup("cpu-tiny", runs, str(chosen), kind="eval")[1].path == chosen
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+def test_the_six_notebooks_walked_in_order_without_a_run_directory_share_one(tmp_path):
+    """papermill runs 00-05 as a user walks them in JupyterLab: the same recipe and overrides, no run_dir. 05
+    then evaluates the model 04 trained, beside the base."""
+    import papermill
+
+    from conftest import free_port
+
+    runs = tmp_path / "runs"
+    overrides = [f"monitor.runs_dir={runs}", f"server.port={free_port()}", "trainer.max_steps=2",
+                 "eval.num_samples=8"]
+    own = {"00_env_check": {"collective": False}, "01_offline_generation": {"num_prompts": 4},
+           "02_serving": {"concurrencies": [1, 4], "num_requests": 8}}
+    for path in NOTEBOOKS[:6]:
+        papermill.execute_notebook(str(path), str(tmp_path / path.name), kernel_name=kernel(), cwd=str(tmp_path),
+                                   parameters={"overrides": overrides, **own.get(path.stem, {})},
+                                   progress_bar=False)
+    (run,) = runs.iterdir()
+    assert run.name.endswith("-cpu-tiny-notebooks")
+    for stage in ("env.json", "offline", "serving", "smoke", "train/final", "eval/summary.json"):
+        assert (run / stage).exists(), stage
+    table = text_of(outputs_of(tmp_path / "05_evaluation.ipynb"), "text/markdown")
+    labels = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")][1:]
+    assert "base" in labels and "trained" in labels, table
+    summaries = json.loads((run / "eval" / "summary.json").read_text())
+    assert str(run / "train" / "final") in json.dumps(summaries)

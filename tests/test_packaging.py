@@ -88,7 +88,7 @@ def test_matrix_rows_are_well_formed():
 def test_makefile_installs_what_the_readme_promises():
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^demo:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
-    assert "uninstall" in makefile and "torchvision" in makefile and "ipykernel install" in makefile
+    assert "uninstall" in makefile and "torchvision" in makefile and "workbench kernel" in makefile
     assert "make test" in (REPO / ".ci" / "run").read_text()
     readme = (REPO / "README.md").read_text()
     assert "make demo" in readme and "make test" in readme

@@ -352,12 +352,21 @@ def cmd_tag(args: argparse.Namespace) -> int:
 def cmd_lab(args: argparse.Namespace) -> int:
     import os
 
-    from workbench.notebook import lab_command  # lazy: yaml
+    from workbench.notebook import kernel_name, lab_command, register_kernel  # lazy: yaml
 
+    if kernel_name() != "grpo-workbench":  # an install route that did not register it (pip install by hand)
+        print(f"registered the grpo-workbench kernel: {register_kernel()}", flush=True)
     extra = [a for a in args.extra if a != "--"]
     cmd = lab_command(args.port, args.root, open_browser=not args.no_browser, extra=extra)
     print(f"JupyterLab on http://127.0.0.1:{args.port}/ (loopback only); the notebooks are in notebooks/", flush=True)
     os.execv(cmd[0], cmd)  # Lab in this process: Ctrl-C and a kill reach it, and its kernels, directly
+    return 0
+
+
+def cmd_kernel(args: argparse.Namespace) -> int:
+    from workbench.notebook import register_kernel  # lazy: ipykernel
+
+    print(f"the grpo-workbench kernel runs {sys.executable}: {register_kernel(args.prefix)}")
     return 0
 
 
@@ -480,6 +489,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-browser", action="store_true", help="do not open a browser (print the URL only)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more jupyter lab options")
     p.set_defaults(func=cmd_lab)
+    p = sub.add_parser("kernel", help="register this environment as the grpo-workbench Jupyter kernel",
+                       description="Register this Python (the environment with the accelerator's stack, after a pip "
+                                   "install of the cuda or ascend extras) as the grpo-workbench kernel that the "
+                                   "notebooks, `workbench run` and papermill -k grpo-workbench use. make install does "
+                                   "it for the CPU stack.")
+    p.add_argument("--prefix", help="the environment to register it in (default: this one, sys.prefix)")
+    p.set_defaults(func=cmd_kernel)
     return parser
 
 

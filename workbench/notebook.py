@@ -2,15 +2,20 @@
 
     rr, run = notebook.setup(recipe, overrides, run_dir, kind="train")
     workbench lab            # (make lab) JupyterLab on 127.0.0.1:8888, new notebooks on the project's kernel
+    workbench kernel         # register this environment as the grpo-workbench kernel (papermill -k grpo-workbench)
 
 An entry point like the CLI: papermill hands each notebook the run's recipe.yaml and the run directory
-(`workbench run`); a notebook opened by hand gets a recipe name and an empty run_dir, and a new run directory is made.
+(`workbench run`). The staged notebooks opened by hand (an empty run_dir) share one run directory, as `workbench
+run` does: 00 makes a new `<time>-<recipe>-notebooks/` under monitor.runs_dir, and 01–05 find the newest one of
+their recipe (or make one, when 00 was skipped), so 05 evaluates what 04 trained. Each says which it took; a
+run_dir given chooses another. The tools (06–08) make runs of their own.
 Overrides may be a list of `section.key=value` words, one space-separated string (what `papermill -p` passes), or
 that list written as text (`-p overrides '["server.port=8011"]'`: papermill -p hands the notebook a string).
 """
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from workbench import recipe as recipes
 from workbench.errors import WorkbenchError
@@ -44,17 +49,44 @@ def overrides_list(overrides) -> list[str]:
     return parameter_list(overrides)
 
 
+STAGES = ("env", "offline", "serving", "smoke", "train", "eval")  # the kinds of notebooks 00-05, in order
+WALK = "notebooks"  # the kind of the run directory the staged notebooks share when opened by hand
+
+
 def setup(recipe: str, overrides=None, run_dir: str = "", kind: str = "run",
-          extra: dict | None = None) -> tuple[Resolved, RunDir]:
-    """Load the recipe (+ overrides, + `extra` dotted values), resolve it, and open `run_dir` or create a run."""
+          extra: dict | None = None, log=print) -> tuple[Resolved, RunDir]:
+    """Load the recipe (+ overrides, + `extra` dotted values), resolve it, and open `run_dir`; without one, a
+    staged notebook takes its walk's run directory (the module docstring), a tool makes a run of its own."""
     r = recipes.load(recipe, overrides_list(overrides))
     if extra:
         r = recipes.load(r, extra)
-    run = RunDir.at(run_dir, r) if run_dir else RunDir.create(r, kind)
+    if run_dir:
+        run = RunDir.at(run_dir, r)
+    elif kind not in STAGES:
+        run = RunDir.create(r, kind)
+    else:
+        latest = None if kind == STAGES[0] else RunDir.latest(r.monitor.runs_dir, r.name, WALK)
+        run = latest or RunDir.create(r, WALK)
+        how = ("the newest notebook walk of this recipe" if latest else "a new notebook walk") + \
+            "; pass run_dir to choose another"
+        log(f"run directory: {run.path} ({how})")
     return recipes.resolve(r), run
 
 
 KERNEL = "grpo-workbench"  # the project's Jupyter kernel, as `make install` registers it (Makefile: KERNEL)
+
+
+def register_kernel(prefix: str | None = None) -> str:
+    """Register this Python as the `grpo-workbench` Jupyter kernel in `prefix` (default: this environment), with
+    ipykernel's own installer, so `papermill -k grpo-workbench` and JupyterLab run the notebooks on the install
+    that has the accelerator's stack. Every install route ends with it (make install; `workbench kernel` after a
+    pip install of the accelerator extras); `workbench lab` runs it when the kernel is missing. Returns where."""
+    import sys
+
+    from ipykernel.kernelspec import install
+
+    where = prefix or sys.prefix
+    return install(kernel_name=KERNEL, display_name=f"GRPO Workbench ({Path(where).name})", prefix=where)
 
 
 def kernel_name() -> str:

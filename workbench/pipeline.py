@@ -27,7 +27,7 @@ from workbench.errors import WorkbenchError
 from workbench.notebook import kernel_name
 from workbench.observe.rundata import load
 from workbench.recipe import Resolved
-from workbench.rundir import RunDir, trained_weights, write_atomic
+from workbench.rundir import RunDir, write_atomic
 from workbench.secrets import redact, scrub, scrub_data
 from workbench.tinymodel import ensure_model
 from workbench.training.config import preflight
@@ -69,10 +69,7 @@ def stage_parameters(stage: str, run: RunDir, resuming: bool = False) -> dict:
     if stage == "train" and resuming and run.train.complete_checkpoints():
         params["resume"] = True
     if stage == "eval":
-        models = {"base": "base"}
-        if trained_weights(run.train.final).exists():  # a model, or a LoRA run's adapter
-            models["trained"] = str(run.train.final)
-        params["models"] = models
+        params["models"] = run.eval_models()
     return params
 
 

@@ -245,6 +245,21 @@ class RunDir:
         return run
 
     @classmethod
+    def latest(cls, root: Path | str, recipe_name: str, kind: str) -> "RunDir | None":
+        """The newest run under `root` that `create` made for this recipe and kind (names start with the time)."""
+        found = sorted(p for p in Path(root).glob(f"*-{safe_name(recipe_name)}-{safe_name(kind)}*")
+                       if p.is_dir() and (p / RECIPE).is_file())
+        return cls(found[-1]) if found else None
+
+    def eval_models(self) -> dict[str, str]:
+        """What an evaluation of this run compares: the recipe's base, and the trained model when the training
+        saved one (a model, or a LoRA run's adapter)."""
+        models = {"base": "base"}
+        if trained_weights(self.train.final).exists():
+            models["trained"] = str(self.train.final)
+        return models
+
+    @classmethod
     def open(cls, path: Path | str) -> "RunDir":
         """An existing run; a stage directory (RUN/train) or a missing path is a clear error."""
         path = Path(path)
