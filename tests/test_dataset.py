@@ -259,7 +259,7 @@ def test_unreachable_hub_without_offline_variable_fails_fast(monkeypatch, empty_
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(workbench.tasks.dataset, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(workbench.tasks.dataset, "hub_reachable", lambda: False)
     start = time.monotonic()
     with pytest.raises(WorkbenchError, match="HuggingFaceH4/MATH-500"):
         load_rows("math500", "test")
@@ -273,7 +273,7 @@ def test_hub_probe_reports_a_closed_endpoint(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
-    assert workbench.tasks.dataset._hub_reachable() is False
+    assert workbench.tasks.dataset.hub_reachable() is False
 
 
 def test_hub_probe_sees_a_listening_endpoint_unless_offline_is_set(monkeypatch):
@@ -289,9 +289,9 @@ def test_hub_probe_sees_a_listening_endpoint_unless_offline_is_set(monkeypatch):
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
         monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
-        assert workbench.tasks.dataset._hub_reachable() is True
+        assert workbench.tasks.dataset.hub_reachable() is True
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-        assert workbench.tasks.dataset._hub_reachable() is False
+        assert workbench.tasks.dataset.hub_reachable() is False
     finally:
         server.shutdown()
         server.server_close()

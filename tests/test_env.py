@@ -5,6 +5,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from workbench import envcheck as env
 from workbench import recipe
 
@@ -207,3 +209,58 @@ def test_gpu_recipes_device_splits_on_an_nvidia_host(tmp_path):
     report = env.Report(platform="cuda")
     env.check_platform(report, recipe.load("cuda-2gpu", ["devices.trainer=[0]"]), "cuda", gpus)
     assert report.find("device split").status == "fail"
+
+
+# --- where the model and the data come from -------------------------------------------------------------------
+
+@pytest.fixture
+def caches(monkeypatch, tmp_path):
+    """Empty hub and datasets caches, whatever this machine holds."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path
+
+
+def sources(rr, reachable: bool, environ: dict | None = None) -> env.Report:
+    report = env.Report(platform="cpu")
+    env.check_sources(report, rr, environ or {}, reachable=lambda: reachable)
+    return report
+
+
+def test_sources_say_where_the_model_and_each_split_come_from_and_whether_they_are_here(caches, tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    hub = ["model.path=org/policy", "data.name=file", "data.train=" + str(tmp_path / "train.jsonl"),
+           "data.test={hub: org/probs, split: test}"]
+    rr = recipe.resolve(recipe.load("cpu-tiny", hub))
+    offline = sources(rr, reachable=False)
+    model, train, test = offline.find("model"), offline.find("data.train"), offline.find("data.test")
+    assert model.status == "fail" and "not cached" in model.found and "HF_HUB_OFFLINE=1" in model.fix
+    assert "HF_ENDPOINT" in model.fix and "model.path" in model.fix
+    assert train.status == "pass" and "train.jsonl" in train.found
+    assert test.status == "fail" and "org/probs" in test.found and "data.test: {path: FILE}" in test.fix
+    assert "drawn by data.seed" in offline.find("data.validation").found  # carved from the training file
+    # the model in the hub cache, the dataset in datasets' cache: all here, nothing reached
+    snapshot = caches / "hub" / "models--org--policy" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (caches / "hub" / "models--org--policy" / "refs").mkdir()
+    (caches / "hub" / "models--org--policy" / "refs" / "main").write_text("0" * 40)
+    (caches / "datasets" / "org___probs").mkdir(parents=True)
+    here = sources(rr, reachable=False)
+    assert [here.find(n).status for n in ("model", "data.train", "data.validation", "data.test")] == ["pass"] * 4
+    assert "cached" in here.find("model").found and "cached" in here.find("data.test").found
+
+
+def test_sources_name_the_endpoint_a_download_comes_from_and_modelscope(caches):
+    rr = recipe.resolve(recipe.load("cpu-tiny", ["model.path=org/policy"]))
+    mirror = sources(rr, reachable=True, environ={"HF_ENDPOINT": "https://mirror.example"})
+    assert mirror.find("model").status == "pass" and "from https://mirror.example" in mirror.find("model").found
+    scope = sources(rr, reachable=True, environ={"VLLM_USE_MODELSCOPE": "true"})
+    assert scope.find("model").status == "warn" and "modelscope download" in scope.find("model").fix
+    (caches / "mine").mkdir()
+    (caches / "mine" / "config.json").write_text("{}")
+    local = recipe.resolve(recipe.load("cpu-tiny", [f"model.path={caches / 'mine'}"]))
+    assert sources(local, reachable=False).find("model").found == f"local directory {caches / 'mine'}"

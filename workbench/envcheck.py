@@ -1,4 +1,5 @@
-"""Environment check: platform, version chain, Ascend setup, collectives and resources, with a fix for each finding.
+"""Environment check: platform, version chain, Ascend setup, collectives, resources, and where the model and data
+come from (here, cached, or reachable), with a fix for each finding.
 
     workbench env --recipe cpu-tiny            # table on stdout, env.json in a new run directory
     workbench env --recipe ascend-910b-8card --no-collective
@@ -590,11 +591,73 @@ def device_names(platform: str) -> list[str]:
     return [f"core {c}" for c in range(max(cores) + 1)] if cores else []
 
 
+OFFLINE_FIX = ("on a node without the hub: copy a model directory (huggingface-cli download or modelscope download "
+               "elsewhere) and set model.path to it, or fill HF_HOME's cache and set HF_HUB_OFFLINE=1; "
+               "or point HF_ENDPOINT at a reachable mirror (docs/troubleshooting.md)")
+
+
+def check_sources(report: Report, rr: Resolved, environ: dict, reachable: Callable[[], bool] | None = None) -> None:
+    """Where the model and each data split will be loaded from, and whether that is here (a directory, a cache)
+    or reachable (the hub at HF_ENDPOINT, or ModelScope with VLLM_USE_MODELSCOPE): before a server or a training
+    finds out at its first read."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    from workbench.tasks import dataset
+
+    endpoint = environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    cache = environ.get("HF_HOME") or str(Path(constants.HF_HUB_CACHE).parent)
+    online = reachable or dataset.hub_reachable
+    answer: dict = {}
+
+    def hub_up() -> bool:  # one probe for every source
+        if "up" not in answer:
+            answer["up"] = online()
+        return answer["up"]
+
+    model = rr.model_path
+    if rr.is_tiny:
+        report.add("sources", "model", "pass", f"the tiny model, built here on first use ({model})")
+    elif Path(model).is_dir():  # the recipe loader checked its config.json
+        report.add("sources", "model", "pass", f"local directory {model}")
+    elif environ.get("VLLM_USE_MODELSCOPE", "").lower() in ("1", "true"):
+        report.add("sources", "model", "warn", f"{model} from ModelScope (VLLM_USE_MODELSCOPE): the server downloads "
+                   "it; the trainer (transformers) reads the Hugging Face hub", "download it once with modelscope "
+                   "download and set model.path to the directory, so both read the same weights")
+    elif isinstance(try_to_load_from_cache(model, "config.json"), str):
+        report.add("sources", "model", "pass", f"{model}, cached in {cache}")
+    elif hub_up():
+        report.add("sources", "model", "pass", f"{model}, to be downloaded from {endpoint} into {cache}")
+    else:
+        report.add("sources", "model", "fail", f"{model}: no such directory here; as a hub id, not cached in {cache} "
+                   f"and {endpoint} cannot be reached", OFFLINE_FIX)
+    described = rr.task.describe()
+    for split, src in rr.task.sources.items():
+        name = f"data.{split}"
+        if src is None:
+            continue
+        what = described.get(split, src.where)
+        if src.kind == "generated":
+            report.add("sources", name, "pass", what)
+        elif src.kind == "file":
+            ok = Path(src.where).is_file()
+            report.add("sources", name, "pass" if ok else "fail", what + ("" if ok else ": the file is missing"),
+                       "" if ok else f"put the file there, or point {name} at it")
+        elif dataset.hub_cached(src.where):
+            report.add("sources", name, "pass", f"{what}: cached")
+        elif hub_up():
+            report.add("sources", name, "pass", f"{what}: to be downloaded from {endpoint}")
+        else:
+            report.add("sources", name, "fail", f"{what}: not cached, and {endpoint} cannot be reached",
+                       f"save the split as .jsonl or .parquet where the hub is reachable and set {name}: "
+                       "{path: FILE}, or fill the datasets cache there and copy HF_HOME here")
+
+
 def check(rr: Resolved, collective: bool = True, platform: str | None = None, environ: dict | None = None,
           versions: dict | None = None, runner: Callable[[list[str]], tuple[int, str]] = _run,
           devices: list[str] | None = None, collective_timeout: float = 60.0,
-          distributions: Callable[[], Iterable] = importlib.metadata.distributions) -> Report:
+          distributions: Callable[[], Iterable] = importlib.metadata.distributions, sources: bool = True) -> Report:
     """Run every check; arguments left as None are read from this machine (`platform`: what it offers).
+    sources: also check where the model and data come from (check_sources).
     distributions: the installed distributions' metadata (importlib.metadata's lookup, or a test's)."""
     recipe = rr.recipe
     started = time.time()
@@ -619,5 +682,7 @@ def check(rr: Resolved, collective: bool = True, platform: str | None = None, en
         nproc = 2 if platform == "cpu" else max(2, len(set(recipe.devices.server) | set(recipe.devices.trainer)))
         run_collective(report, platform, nproc, collective_timeout)
     check_resources(report, recipe, platform)
+    if sources:
+        check_sources(report, rr, environ)
     report.seconds = time.time() - started
     return report

@@ -283,7 +283,7 @@ def hub_records(hub_id: str, config: str | None, split: str, name: str | None = 
     import datasets
 
     try:
-        with _cache_only(not _hub_reachable()):
+        with _cache_only(not hub_reachable()):
             loaded = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:  # noqa: BLE001 - any failure here means "no copy of this dataset", with one fix
         reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
@@ -293,7 +293,7 @@ def hub_records(hub_id: str, config: str | None, split: str, name: str | None = 
     return list(enumerate(loaded, start=1))
 
 
-def _hub_reachable() -> bool:
+def hub_reachable() -> bool:
     """One short request, because datasets retries an unreachable hub for about half a minute before failing."""
     if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
            for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
@@ -306,6 +306,17 @@ def _hub_reachable() -> bool:
     except Exception:  # noqa: BLE001 - DNS, refused, timeout, offline mode: all mean "not reachable"
         return False
     return True
+
+
+def hub_cached(hub_id: str) -> bool:
+    """Whether a hub dataset has a local copy: datasets' prepared cache (HF_DATASETS_CACHE/<org>___<name>), or the
+    hub's file cache (HF_HUB_CACHE/datasets--<org>--<name>)."""
+    import datasets
+    from huggingface_hub import constants
+
+    prepared = Path(datasets.config.HF_DATASETS_CACHE) / hub_id.replace("/", "___")
+    files = Path(constants.HF_HUB_CACHE) / ("datasets--" + hub_id.replace("/", "--"))
+    return prepared.is_dir() or (files / "snapshots").is_dir()
 
 
 @contextmanager
