@@ -40,6 +40,18 @@ def _no_sync_gap(train_dir: Path, base: Path) -> float:
     return sum(gaps) / len(gaps)
 
 
+def test_save_total_limit_keeps_only_the_newest_checkpoints_through_a_resume(killed_run):
+    """conftest's `killed_run` saves every 4 steps of 14 with the recipe's trainer.save_total_limit (2, from
+    cpu-tiny): transformers deletes the older ones, the resume included, so a long run does not fill the disk."""
+    from workbench import recipe
+
+    limit = recipe.load(str(killed_run.run.recipe)).trainer["save_total_limit"]
+    kept = sorted(killed_run.run.train.complete_checkpoints())
+    assert limit == 2 and len(kept) == limit, kept
+    assert 4 not in kept and kept[-1] >= 12  # the newest survive, the first is gone
+    assert len(list(killed_run.run.train.checkpoints.glob("checkpoint-*"))) == limit  # no half-deleted ones
+
+
 def test_dead_then_hung_server_is_restarted_and_resynced(killed_run, tiny_model_dir):
     """conftest's `killed_run`: its server SIGKILLed at step 3 (a crash), the replacement SIGSTOPped at step 7 (a
     hang: it holds its connections and answers nothing, and the trainer's requests time out after 10 s): two

@@ -206,6 +206,10 @@ def test_notebooks_opened_by_hand_share_the_newest_walk_of_their_recipe(tmp_path
     _, again = notebook.setup("cpu-tiny", runs, "", kind="env", log=said.append)  # 00 once more: a new walk
     assert again.path != first.path and notebook.setup("cpu-tiny", runs, "", kind="eval")[1].path == again.path
     assert notebook.setup("smoke", runs, "", kind="train", log=said.append)[1].path.name.endswith("-smoke-notebooks")
+    # a recipe whose name holds another's is not that one's walk, either way round
+    async_walk = notebook.setup("cpu-tiny-async", runs, "", kind="env")[1]
+    assert notebook.setup("cpu-tiny", runs, "", kind="eval")[1].path == again.path
+    assert notebook.setup("cpu-tiny-async", runs, "", kind="eval")[1].path == async_walk.path
     assert notebook.setup("cpu-tiny", runs, "", kind="bench")[1].path.name.endswith("-cpu-tiny-bench")
     chosen = tmp_path / "mine"
     assert notebook.setup("cpu-tiny", runs, str(chosen), kind="eval")[1].path == chosen

@@ -247,9 +247,14 @@ class RunDir:
     @classmethod
     def latest(cls, root: Path | str, recipe_name: str, kind: str) -> "RunDir | None":
         """The newest run under `root` that `create` made for this recipe and kind (names start with the time)."""
-        found = sorted(p for p in Path(root).glob(f"*-{safe_name(recipe_name)}-{safe_name(kind)}*")
-                       if p.is_dir() and (p / RECIPE).is_file())
-        return cls(found[-1]) if found else None
+        # exactly `<stamp>-<recipe>-<kind>` or its `-N` twin: "cpu-tiny" must not find "my-cpu-tiny" or "cpu-tiny-x"
+        pattern = re.compile(r"(\d{8}-\d{6})-" + re.escape(f"{safe_name(recipe_name)}-{safe_name(kind)}") + r"(?:-(\d+))?")
+        found = []
+        for p in Path(root).glob("*") if Path(root).is_dir() else []:
+            m = pattern.fullmatch(p.name)
+            if m and (p / RECIPE).is_file():
+                found.append(((m.group(1), int(m.group(2) or 1)), p))
+        return cls(max(found)[1]) if found else None
 
     def eval_models(self) -> dict[str, str]:
         """What an evaluation of this run compares: the recipe's base, and the trained model when the training
