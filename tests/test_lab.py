@@ -158,7 +158,7 @@ def test_stop_clicked_in_jupyterlab_ends_the_run_early_with_its_checkpoint(tmp_p
     page.js("[...document.querySelectorAll('button')].find(b => b.textContent.includes('Stop (')).click()")
     page.wait(STOP, lambda t: t is not None and "stopping" in t, 30, "the Stop click to be handled mid-run")
 
-    (train,) = [p / "train" for p in runs.glob("*-train")]
+    (train,) = [p / "train" for p in runs.glob("*-notebooks")]  # 04 opened by hand: a notebook walk
     deadline = time.time() + 180
     while not (train / "train.json").exists():
         assert time.time() < deadline, (train / "train.log").read_text()[-3000:]

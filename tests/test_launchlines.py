@@ -32,7 +32,7 @@ SCONTROL = """#!/bin/bash
 """
 IP = """#!/bin/bash
 # ip -4 -o addr show dev IFACE: an address only on the interface the nodes share
-[ "${@: -1}" = "$SHARED_IFACE" ] || exit 0
+[ "${@: -1}" = "$SHARED_IFACE" ] || { echo "Device \"${@: -1}\" does not exist." >&2; exit 1; }
 case "$SLURMD_NODENAME" in nodeA) n=11;; nodeB) n=12;; nodeC) n=13;; esac
 echo "2: $SHARED_IFACE    inet 192.0.2.$n/24 brd 192.0.2.255 scope global $SHARED_IFACE"
 """
@@ -103,7 +103,8 @@ def test_the_slurm_script_runs_what_the_plan_prints_on_each_node_with_the_alloca
     text = emitted(capsys, "slurm", "ascend-910b-2node", overrides)
     assert "#SBATCH --nodes=2" in text and "show dev ib1" in text and "eth0" not in text
     assert "k-test" not in text and "10.0.0." not in text  # the key stays in the environment; no recipe address
-    result = run_script(text, tmp_path, {**env, "SLURM_JOB_NODELIST": "nodeA,nodeB", "SHARED_IFACE": "ib1"})
+    # an allocation larger than the recipe's nodes: the extra node runs nothing
+    result = run_script(text, tmp_path, {**env, "SLURM_JOB_NODELIST": "nodeA,nodeB,nodeC", "SHARED_IFACE": "ib1"})
     assert result.returncode == 0, result.stderr
     # the addresses the allocation's nodes have on ib1 reach every node as overrides, after the others
     late = ["server.url=http://192.0.2.11:8101", "distributed.main_address=192.0.2.12"]
@@ -142,7 +143,8 @@ def test_the_slurm_script_gives_each_training_node_its_rank(cluster, capsys, tmp
 
 def test_the_shell_script_runs_the_plans_start_line_on_the_node_named(cluster, capsys, tmp_path):
     env, logs = cluster
-    overrides = ["server.url=http://192.168.7.1:8101", "distributed.main_address=192.168.7.2", *IFACE, *PORTS]
+    # (no trainer.vllm_group_port here: the suite's harness takes a long-lived process naming "vllm" for a server)
+    overrides = ["server.url=http://192.168.7.1:8101", "distributed.main_address=192.168.7.2", *IFACE, *PORTS[:2]]
     text = emitted(capsys, "shell", "ascend-910b-2node", overrides)
     assert "192.168.7.1" in text and "192.168.7.2" in text and "10.0.0." not in text
     server, trainer = plan_starts(capsys, "ascend-910b-2node", overrides)

@@ -202,7 +202,7 @@ def test_notebooks_opened_by_hand_share_the_newest_walk_of_their_recipe(tmp_path
     assert first.path.name.endswith("-cpu-tiny-notebooks") and "a new notebook walk" in said[-1]
     for kind in ("offline", "serving", "smoke", "train", "eval"):
         _, run = notebook.setup("cpu-tiny", runs, "", kind=kind, log=said.append)
-        assert run.path == first.path and "the newest notebook walk of this recipe" in said[-1], kind
+        assert run.path == first.path and "the newest notebook walk of this recipe and these overrides" in said[-1], kind
     _, again = notebook.setup("cpu-tiny", runs, "", kind="env", log=said.append)  # 00 once more: a new walk
     assert again.path != first.path and notebook.setup("cpu-tiny", runs, "", kind="eval")[1].path == again.path
     assert notebook.setup("smoke", runs, "", kind="train", log=said.append)[1].path.name.endswith("-smoke-notebooks")
@@ -211,6 +211,10 @@ def test_notebooks_opened_by_hand_share_the_newest_walk_of_their_recipe(tmp_path
     assert notebook.setup("cpu-tiny", runs, "", kind="eval")[1].path == again.path
     assert notebook.setup("cpu-tiny-async", runs, "", kind="eval")[1].path == async_walk.path
     assert notebook.setup("cpu-tiny", runs, "", kind="bench")[1].path.name.endswith("-cpu-tiny-bench")
+    # other overrides are another walk: 04 trains from the walk's recipe.yaml, which would not be what it says
+    _, other = notebook.setup("cpu-tiny", [*runs, "trainer.max_steps=5"], "", kind="train", log=said.append)
+    assert other.path != again.path and "no walk of this recipe with these overrides" in said[-1]
+    assert notebook.setup("cpu-tiny", runs, "", kind="eval")[1].path == again.path
     chosen = tmp_path / "mine"
     assert notebook.setup("cpu-tiny", runs, str(chosen), kind="eval")[1].path == chosen
 

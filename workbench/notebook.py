@@ -7,7 +7,8 @@
 An entry point like the CLI: papermill hands each notebook the run's recipe.yaml and the run directory
 (`workbench run`). The staged notebooks opened by hand (an empty run_dir) share one run directory, as `workbench
 run` does: 00 makes a new `<time>-<recipe>-notebooks/` under monitor.runs_dir, and 01–05 find the newest one of
-their recipe (or make one, when 00 was skipped), so 05 evaluates what 04 trained. Each says which it took; a
+their recipe and overrides (or make one, when 00 was skipped or ran with other overrides), so 05 evaluates what 04
+trained. Each says which it took; a
 run_dir given chooses another. The tools (06–08) make runs of their own.
 Overrides may be a list of `section.key=value` words, one space-separated string (what `papermill -p` passes), or
 that list written as text (`-p overrides '["server.port=8011"]'`: papermill -p hands the notebook a string).
@@ -57,19 +58,20 @@ def setup(recipe: str, overrides=None, run_dir: str = "", kind: str = "run",
           extra: dict | None = None, log=print) -> tuple[Resolved, RunDir]:
     """Load the recipe (+ overrides, + `extra` dotted values), resolve it, and open `run_dir`; without one, a
     staged notebook takes its walk's run directory (the module docstring), a tool makes a run of its own."""
-    r = recipes.load(recipe, overrides_list(overrides))
-    if extra:
-        r = recipes.load(r, extra)
+    given = recipes.load(recipe, overrides_list(overrides))
+    r = recipes.load(given, extra) if extra else given
     if run_dir:
         run = RunDir.at(run_dir, r)
     elif kind not in STAGES:
         run = RunDir.create(r, kind)
     else:
-        latest = None if kind == STAGES[0] else RunDir.latest(r.monitor.runs_dir, r.name, WALK)
-        run = latest or RunDir.create(r, WALK)
-        how = ("the newest notebook walk of this recipe" if latest else "a new notebook walk") + \
-            "; pass run_dir to choose another"
-        log(f"run directory: {run.path} ({how})")
+        # only a walk of these very settings: 04 trains from the run's recipe.yaml, so a walk made with other
+        # overrides would train what this notebook does not say
+        latest = None if kind == STAGES[0] else RunDir.latest(given.monitor.runs_dir, given.name, WALK, given)
+        run = latest or RunDir.create(given, WALK)
+        how = ("the newest notebook walk of this recipe and these overrides" if latest else
+               "a new notebook walk" + ("" if kind == STAGES[0] else ": no walk of this recipe with these overrides"))
+        log(f"run directory: {run.path} ({how}; pass run_dir to choose another)")
     return recipes.resolve(r), run
 
 

@@ -372,8 +372,9 @@ def _interface(plan: Plan) -> str | None:
     """The network interface the recipe's collectives are bound to: the nodes' addresses are taken on it."""
     env = plan.resolved.recipe.devices.env
     for name in ("HCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        if env.get(name):
-            return str(env[name]).split(",")[0].lstrip("^=")
+        value = str(env.get(name) or "")
+        if value and not value.startswith("^"):  # "^docker0" excludes: no interface to take an address on
+            return value.split(",")[0].lstrip("=")
     return None
 
 
@@ -425,7 +426,7 @@ def _nonempty(var: str, node: str, interface: str | None) -> str:
 def _wait_lines(url: str, seconds: int, alive: str | None = None) -> list[str]:
     """Wait for the server's /health, at most `seconds`; with `alive`, stop early when that process has ended."""
     lines = [f"deadline=$((SECONDS + {seconds}))",
-             f'until curl -sf "{url}/health" >/dev/null; do']
+             f'until curl -sf --max-time 5 "{url}/health" >/dev/null; do']
     if alive:
         lines.append(f'  kill -0 "{alive}" 2>/dev/null || {{ echo "the server ended before it answered at {url}: '
                      'see its output above" >&2; exit 1; }')
@@ -474,7 +475,7 @@ def _slurm(plan: Plan) -> str:
                      "whole node either way")
     interface = _interface(plan)
     recipe_args, overrides = _invocation(plan)
-    address = (f"srun --nodes=1 --ntasks=1 --nodelist=\"$1\" ip -4 -o addr show dev {interface} "
+    address = (f"srun --nodes=1 --ntasks=1 --nodelist=\"$1\" ip -4 -o addr show dev {shlex.quote(interface)} "
                "| awk '{split($4, a, \"/\"); print a[1]; exit}'" if interface else 'echo "$1"')
     lines += ["set -euo pipefail",
               'cd "${SLURM_SUBMIT_DIR:-$PWD}"',
@@ -482,12 +483,14 @@ def _slurm(plan: Plan) -> str:
               f"PREAMBLE={shlex.quote(_preamble(plan))}",
               "on() {  # on() NODES CMD...: CMD on each of NODES (a comma list), one task a node, after the preamble",
               '  local where=$1; shift',
-              '  srun --nodes="$(tr , "\\n" <<<"$where" | wc -l)" --ntasks-per-node=1 --nodelist="$where" \\',
+              '  local n; n=$(tr , "\\n" <<<"$where" | wc -l)',
+              '  srun --nodes="$n" --ntasks="$n" --ntasks-per-node=1 --nodelist="$where" \\',
               '    bash -c "$PREAMBLE"\' exec "$@"\' _ "$@"',
               "}",
               "on_ranks() {  # as on(), each node given distributed.node_rank: its task's index in the step",
               '  local where=$1; shift',
-              '  srun --nodes="$(tr , "\\n" <<<"$where" | wc -l)" --ntasks-per-node=1 --nodelist="$where" \\',
+              '  local n; n=$(tr , "\\n" <<<"$where" | wc -l)',
+              '  srun --nodes="$n" --ntasks="$n" --ntasks-per-node=1 --nodelist="$where" \\',
               '    bash -c "$PREAMBLE"\' exec "$@" "distributed.node_rank=$SLURM_PROCID"\' _ "$@"',
               "}",
               ("address() {  # a node's IPv4 address on " + (f"{interface}, the interface the recipe's collectives "
@@ -501,14 +504,14 @@ def _slurm(plan: Plan) -> str:
               f'this recipe runs on {len(plan.nodes)}: sbatch --nodes={len(plan.nodes)}" >&2; exit 1; }}']
     first_trainer = 1 if served else 0
     lines += [f"SERVER_NODE=${{NODES[0]}}" if served else "",
-              f'TRAIN_NODES=$(IFS=,; echo "${{NODES[*]:{first_trainer}}}")',
-              f'MAIN_ADDR=$(address "${{NODES[{first_trainer}]}}")',
+              f'TRAIN_NODES=$(IFS=,; echo "${{NODES[*]:{first_trainer}:{len(trainers)}}}")',
+              f'MAIN_ADDR=$(address "${{NODES[{first_trainer}]}}") || MAIN_ADDR=""',
               _nonempty("MAIN_ADDR", f"${{NODES[{first_trainer}]}}", interface)]
     late = ['"distributed.main_address=$MAIN_ADDR"'] if r.distributed.nodes > 1 or served else []
     if served:
         scheme = rr.server_url.split("://", 1)[0]
         url = f"{scheme}://$SERVER_ADDR:{r.server.port}"
-        lines += ['SERVER_ADDR=$(address "$SERVER_NODE")', _nonempty("SERVER_ADDR", "$SERVER_NODE", interface)]
+        lines += ['SERVER_ADDR=$(address "$SERVER_NODE") || SERVER_ADDR=""', _nonempty("SERVER_ADDR", "$SERVER_NODE", interface)]
         late = [f'"server.url={url}"', *late]
     lines.append("OVERRIDES=(" + " ".join([shlex.join(overrides)] * bool(overrides) + late) + ")")
     lines = [line for line in lines if line != ""]

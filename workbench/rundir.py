@@ -245,14 +245,15 @@ class RunDir:
         return run
 
     @classmethod
-    def latest(cls, root: Path | str, recipe_name: str, kind: str) -> "RunDir | None":
-        """The newest run under `root` that `create` made for this recipe and kind (names start with the time)."""
+    def latest(cls, root: Path | str, recipe_name: str, kind: str, recipe=None) -> "RunDir | None":
+        """The newest run under `root` that `create` made for this recipe and kind (names start with the time);
+        with `recipe`, only one whose recipe.yaml is that recipe, every override included."""
         # exactly `<stamp>-<recipe>-<kind>` or its `-N` twin: "cpu-tiny" must not find "my-cpu-tiny" or "cpu-tiny-x"
         pattern = re.compile(r"(\d{8}-\d{6})-" + re.escape(f"{safe_name(recipe_name)}-{safe_name(kind)}") + r"(?:-(\d+))?")
         found = []
         for p in Path(root).glob("*") if Path(root).is_dir() else []:
             m = pattern.fullmatch(p.name)
-            if m and (p / RECIPE).is_file():
+            if m and (p / RECIPE).is_file() and (recipe is None or (p / RECIPE).read_text() == recipe_text(recipe)):
                 found.append(((m.group(1), int(m.group(2) or 1)), p))
         return cls(max(found)[1]) if found else None
 
