@@ -636,12 +636,8 @@ def check_sources(report: Report, rr: Resolved, environ: dict, reachable: Callab
         if src is None:
             continue
         what = described.get(split, src.where)
-        if src.kind == "generated":
+        if src.kind in ("generated", "file"):  # a missing file is refused when the recipe loads
             report.add("sources", name, "pass", what)
-        elif src.kind == "file":
-            ok = Path(src.where).is_file()
-            report.add("sources", name, "pass" if ok else "fail", what + ("" if ok else ": the file is missing"),
-                       "" if ok else f"put the file there, or point {name} at it")
         elif dataset.hub_cached(src.where):
             report.add("sources", name, "pass", f"{what}: cached")
         elif hub_up():

@@ -289,6 +289,8 @@ class Plan:
     memory: list[Memory]
     warnings: list[str]
     resolved: Resolved | None = field(default=None, repr=False)  # what it was planned from (the launch scripts read it)
+    recipe_args: list[str] = field(default_factory=list)  # ["--recipe", R] as given to `workbench plan`
+    overrides: tuple[str, ...] = ()  # ...and its overrides, which every node's start command carries
 
     def text(self) -> str:
         lines = []
@@ -350,7 +352,8 @@ def plan(rr: Resolved, recipe_arg: str | None = None, overrides: tuple[str, ...]
         if url_port.isdigit() and int(url_port) != rr.recipe.server.port:
             warnings.append(f"server.url names port {url_port} but the server node listens on server.port="
                             f"{rr.recipe.server.port}: override both together")
-    return Plan(nodes(rr, recipe_arg, tuple(overrides)), shape, memory, warnings, rr)
+    return Plan(nodes(rr, recipe_arg, tuple(overrides)), shape, memory, warnings, rr,
+                ["--recipe", recipe_arg or rr.recipe.name], tuple(overrides))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -391,23 +394,10 @@ def _server_wait(plan: Plan) -> int:
     return int(plan.resolved.recipe.server.startup_timeout_s) + HEALTH_WAIT_EXTRA_S
 
 
-def _invocation(plan: Plan) -> tuple[list[str], list[str]]:
-    """How the recipe was given to `workbench plan`: ["--recipe", R] and the overrides, as the nodes' start
-    commands carry them (less what each node adds: the server node's server.mode, a training node's rank)."""
-    start = plan.nodes[0].start
-    args = start[start.index("--recipe"):]
-    if plan.nodes[0].role == "serve":
-        args = args[:-1]
-    elif plan.resolved.recipe.distributed.nodes > 1:
-        args = args[:-1]
-    return args[:2], args[2:]
-
-
 def _header(plan: Plan, kind: str) -> list[str]:
-    recipe_args, overrides = _invocation(plan)
     return ["#!/bin/bash",
             f"# {plan.resolved.recipe.name}: launch lines for {len(plan.nodes)} node(s), written by `workbench plan "
-            f"--emit {kind} {shlex.join(recipe_args + overrides)}`.",
+            f"--emit {kind} {shlex.join([*plan.recipe_args, *plan.overrides])}`.",
             "# To change an address, interface or port, emit it again with an override (docs/multi-node.md)."]
 
 
@@ -437,7 +427,8 @@ def _wait_lines(url: str, seconds: int, alive: str | None = None) -> list[str]:
 
 
 def _shell(plan: Plan) -> str:
-    lines, key = _header(plan, "shell"), plan.resolved.recipe.server.api_key_env
+    lines = _header(plan, "shell")
+    key = plan.resolved.recipe.server.api_key_env
     names = ["server" if n.role == "serve" else str(n.rank) for n in plan.nodes]
     lines += [f"# Run on each machine: bash THIS_FILE NODE, NODE one of: {' '.join(names)} (the server first).",
               f'node=${{1:?"which node this machine is: {" | ".join(names)}"}}',
@@ -459,7 +450,7 @@ def _shell(plan: Plan) -> str:
 def _slurm(plan: Plan) -> str:
     rr = plan.resolved
     r = rr.recipe
-    lines, key = _header(plan, "slurm"), r.server.api_key_env
+    lines = _header(plan, "slurm")
     served = plan.nodes[0].role == "serve"
     trainers = [n for n in plan.nodes if n.role == "train"]
     cards = max([len({d for p in n.processes for d in p["devices"]}) for n in plan.nodes] or [0])
@@ -474,24 +465,21 @@ def _slurm(plan: Plan) -> str:
         lines.append(f"##SBATCH --gres=npu:{cards}   # where the cluster's Slurm counts NPUs; --exclusive gives the "
                      "whole node either way")
     interface = _interface(plan)
-    recipe_args, overrides = _invocation(plan)
+    recipe_args, overrides = plan.recipe_args, list(plan.overrides)
+    ranked = r.distributed.nodes > 1  # each training node is given its rank: its task's index in the step
     address = (f"srun --nodes=1 --ntasks=1 --nodelist=\"$1\" ip -4 -o addr show dev {shlex.quote(interface)} "
                "| awk '{split($4, a, \"/\"); print a[1]; exit}'" if interface else 'echo "$1"')
     lines += ["set -euo pipefail",
               'cd "${SLURM_SUBMIT_DIR:-$PWD}"',
-              *_key_check(key),
+              *_key_check(r.server.api_key_env),
               f"PREAMBLE={shlex.quote(_preamble(plan))}",
-              "on() {  # on() NODES CMD...: CMD on each of NODES (a comma list), one task a node, after the preamble",
+              "on() {  # on() NODES CMD...: CMD on each of NODES (a comma list), one task a node, after the preamble"
+              + ("; with distributed.node_rank, its task's index in the step" if ranked else ""),
               '  local where=$1; shift',
               '  local n; n=$(tr , "\\n" <<<"$where" | wc -l)',
               '  srun --nodes="$n" --ntasks="$n" --ntasks-per-node=1 --nodelist="$where" \\',
-              '    bash -c "$PREAMBLE"\' exec "$@"\' _ "$@"',
-              "}",
-              "on_ranks() {  # as on(), each node given distributed.node_rank: its task's index in the step",
-              '  local where=$1; shift',
-              '  local n; n=$(tr , "\\n" <<<"$where" | wc -l)',
-              '  srun --nodes="$n" --ntasks="$n" --ntasks-per-node=1 --nodelist="$where" \\',
-              '    bash -c "$PREAMBLE"\' exec "$@" "distributed.node_rank=$SLURM_PROCID"\' _ "$@"',
+              '    bash -c "$PREAMBLE"\' exec "$@"' + (' "distributed.node_rank=$SLURM_PROCID"' if ranked else "")
+              + '\' _ "$@"',
               "}",
               ("address() {  # a node's IPv4 address on " + (f"{interface}, the interface the recipe's collectives "
                                                               "use (devices.env)" if interface else
@@ -503,20 +491,18 @@ def _slurm(plan: Plan) -> str:
               f'[ "${{#NODES[@]}}" -ge {len(plan.nodes)} ] || {{ echo "the allocation has ${{#NODES[@]}} node(s); '
               f'this recipe runs on {len(plan.nodes)}: sbatch --nodes={len(plan.nodes)}" >&2; exit 1; }}']
     first_trainer = 1 if served else 0
-    lines += [f"SERVER_NODE=${{NODES[0]}}" if served else "",
-              f'TRAIN_NODES=$(IFS=,; echo "${{NODES[*]:{first_trainer}:{len(trainers)}}}")',
+    lines += ["SERVER_NODE=${NODES[0]}"] * served
+    lines += [f'TRAIN_NODES=$(IFS=,; echo "${{NODES[*]:{first_trainer}:{len(trainers)}}}")',
               f'MAIN_ADDR=$(address "${{NODES[{first_trainer}]}}") || MAIN_ADDR=""',
               _nonempty("MAIN_ADDR", f"${{NODES[{first_trainer}]}}", interface)]
-    late = ['"distributed.main_address=$MAIN_ADDR"'] if r.distributed.nodes > 1 or served else []
+    late = ['"distributed.main_address=$MAIN_ADDR"'] if ranked or served else []
     if served:
         scheme = rr.server_url.split("://", 1)[0]
         url = f"{scheme}://$SERVER_ADDR:{r.server.port}"
         lines += ['SERVER_ADDR=$(address "$SERVER_NODE") || SERVER_ADDR=""', _nonempty("SERVER_ADDR", "$SERVER_NODE", interface)]
         late = [f'"server.url={url}"', *late]
     lines.append("OVERRIDES=(" + " ".join([shlex.join(overrides)] * bool(overrides) + late) + ")")
-    lines = [line for line in lines if line != ""]
     train = f'{shlex.join(["workbench", "train", *recipe_args])} "${{OVERRIDES[@]}}"'
-    launcher = "on_ranks" if r.distributed.nodes > 1 else "on"
     if served:
         lines += ["# the server node: serves until the training ends",
                   # srun itself in the background, so that $! is the step srun stops (and signals) when killed
@@ -526,5 +512,5 @@ def _slurm(plan: Plan) -> str:
                   "SERVER_STEP=$!",
                   "trap 'kill \"$SERVER_STEP\" 2>/dev/null || true; wait \"$SERVER_STEP\" 2>/dev/null || true' EXIT",
                   *_wait_lines(url, _server_wait(plan), alive="$SERVER_STEP")]
-    lines += [f"# the training node(s): {len(trainers)}", f'{launcher} "$TRAIN_NODES" {train}']
+    lines += [f"# the training node(s): {len(trainers)}", f'on "$TRAIN_NODES" {train}']
     return "\n".join(lines) + "\n"
