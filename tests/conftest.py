@@ -45,9 +45,11 @@ FIXTURE_BUDGETS = {
     "contract_servers": 600,   # tests/test_contract.py: vLLM 0.23.0 starts in about 2 minutes on 2 busy cores
     "lora_pair": 600,          # tests/test_lora.py: a LoRA server and two trainings at once
     "dynamic_run": 300,        # tests/test_dynamic.py: 4 async steps attached to tiny_server
+    "tiny_rm_dir": 300,        # tests/test_learned_rewards.py: the tiny reward model's build, about 90 s here
+    "learned_run": 900,        # tests/test_learned_rewards.py: policy + reward engine, its restart, 4 LoRA steps
 }
 # Fixtures that start a vLLM server or engine, or train: a test using one is `heavy` (make test-fast skips it).
-HEAVY_FIXTURES = {"lora_pair", "dynamic_run",
+HEAVY_FIXTURES = {"lora_pair", "dynamic_run", "tiny_rm_dir", "learned_run",
                   "tiny_server", "smoke_run", "grouped_run", "killed_run", "two_model_eval", "pipeline_run",
                   "bench_run", "two_rank_run", "shared_owner", "contract_servers", "row_python"}
 

@@ -80,6 +80,10 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     print(f"# trainer keys checked against trl.GRPOConfig's {len(recipe.trl_fields.names())} arguments")
     for split, where in d["data"].items():  # where each split's rows come from (a carve says by what)
         print(f"# data.{split}: {where}")
+    from workbench.serving import rewards as served_rewards  # lazy: requests
+
+    for line in served_rewards.describe(rr):  # each reward's kind, where it runs, its memory
+        print(f"# {line}")
     if args.check:
         from workbench.training.config import grpo_config  # lazy: yaml
 

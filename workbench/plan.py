@@ -200,6 +200,32 @@ def server_memory(rr: Resolved, shape: ModelShape, card: float) -> Memory:
     return Memory("server", parts, card * s.gpu_memory_utilization, notes)
 
 
+ENGINE_OVERHEAD_GIB = 1.0  # per engine process and card: the runtime's context and workspace outside its share
+
+
+def reward_engine_memory(rr: Resolved, card: float) -> list[Memory]:
+    """Each managed reward engine on the server cards (serving/rewards.py): its weights and KV cache against its own
+    gpu_memory_utilization share of each card."""
+    from workbench.serving.rewards import engine_resolved, engine_specs
+
+    out = []
+    for spec in engine_specs(rr):
+        if not spec.learned.engine.managed:
+            continue
+        err = engine_resolved(rr, spec)
+        shape = model_shape(err)
+        m = server_memory(err, shape, card)
+        m.role = f"reward engine {spec.name!r} ({spec.learned.kind}: {spec.learned.model})"
+        if spec.learned.kind == "model":  # a pooling engine keeps no KV cache beyond one forward pass
+            m.parts = {"weights": m.parts["weights"], "activations (one scoring pass)":
+                       (err.recipe.server.max_num_seqs or 256) * err.recipe.server.max_model_len * shape.hidden * 2 * 4
+                       / err.recipe.server.tensor_parallel_size}
+        m.notes = [f"on the server's devices {list(rr.server.devices)}, gpu_memory_utilization="
+                   f"{err.recipe.server.gpu_memory_utilization} of each card, port {err.recipe.server.port}"]
+        out.append(m)
+    return out
+
+
 @dataclass
 class Node:
     name: str
@@ -244,6 +270,7 @@ def nodes(rr: Resolved, recipe_arg: str | None = None, overrides: tuple[str, ...
         if rank == 0 and not remote_server and not r.server.in_process:
             node.processes.append({"role": "server", "devices": list(rr.server.devices), "env": server_env,
                                    "command": server_cmd + "   # started by `workbench train`, stopped with it"})
+            node.processes += _reward_engines(rr)
         trainer_env = dict(rr.trainer.env)
         if rr.trainer_processes * d.nodes > 1:
             train_dir = "runs/<id>/train"
@@ -271,6 +298,22 @@ def nodes(rr: Resolved, recipe_arg: str | None = None, overrides: tuple[str, ...
                 node.ports.append(f"{group}/tcp: weight-transfer group, trainer rank 0 with the server's workers"
                                   + (" (from the server node)" if remote_server else ""))
         out.append(node)
+    return out
+
+
+def _reward_engines(rr: Resolved) -> list[dict]:
+    """The managed reward engines `workbench train` starts beside the policy server (serving/rewards.py)."""
+    from workbench.serving.rewards import engine_resolved, engine_specs
+
+    out = []
+    for spec in engine_specs(rr):
+        if not spec.learned.engine.managed:
+            continue
+        err = engine_resolved(rr, spec)
+        out.append({"role": f"reward engine {spec.name!r}", "devices": list(err.server.devices),
+                    "env": {k: v for k, v in err.server.env.items()},
+                    "command": " ".join(serving_launch.command(err, err.model_path))
+                    + "   # started by `workbench train` beside the server, stopped with it"})
     return out
 
 
@@ -330,6 +373,22 @@ def plan(rr: Resolved, recipe_arg: str | None = None, overrides: tuple[str, ...]
         trainer.notes.append(f"with gradient checkpointing {'off' if other.notes[0].endswith('off') else 'on'}: "
                              f"{other.total / GIB:.1f} GiB")
         memory = [trainer, server_memory(rr, shape, card)]
+        engines = reward_engine_memory(rr, card) if rr.recipe.server.managed else []
+        if engines:  # the server cards are split between the policy and the reward engines
+            shares = [rr.recipe.server.gpu_memory_utilization] + [m.budget / card for m in engines]
+            overhead = ENGINE_OVERHEAD_GIB * GIB * len(shares)
+            used = sum(shares) * card + overhead
+            verdict = "fits" if used <= card else "DOES NOT FIT"
+            memory[1].notes.append(f"server cards split: policy {shares[0]} + " + " + ".join(
+                f"{x:.2f}" for x in shares[1:]) + f" = {sum(shares):.2f} of each card, plus about "
+                f"{ENGINE_OVERHEAD_GIB:g} GiB per engine outside its share: {used / GIB:.1f} of {card / GIB:.0f} GiB "
+                f"({verdict})")
+            if used > card:
+                raise WorkbenchError(
+                    f"the server cards do not hold both engines: shares {' + '.join(f'{x:.2f}' for x in shares)} of "
+                    f"{card / GIB:.0f} GiB plus about {ENGINE_OVERHEAD_GIB:g} GiB per engine = {used / GIB:.1f} GiB",
+                    "lower server.gpu_memory_utilization or the reward engines' engine.gpu_memory_utilization")
+            memory += engines
         if rr.recipe.server.colocated:  # one card for both: the engine takes its share, training the rest
             trainer.budget = card * (1 - rr.recipe.server.gpu_memory_utilization)
             trainer.notes.append(f"vLLM colocated: the trainer has the card less the engine's "
@@ -339,7 +398,9 @@ def plan(rr: Resolved, recipe_arg: str | None = None, overrides: tuple[str, ...]
                 fix = ("shard it: distributed.strategy=deepspeed distributed.zero_stage=3 (or fsdp), turn on "
                        "trainer.gradient_checkpointing, or lower trainer.per_device_train_batch_size"
                        if m.role == "trainer" else
-                       "raise server.tensor_parallel_size, lower server.max_num_seqs / max_model_len")
+                       "raise server.tensor_parallel_size, lower server.max_num_seqs / max_model_len"
+                       if m.role == "server" else "raise that engine's engine.gpu_memory_utilization (and lower "
+                       "server.gpu_memory_utilization), or lower its engine.max_model_len")
                 warnings.append(f"the {m.role} needs about {m.total / GIB:.0f} GiB per device, over the "
                                 f"{m.budget / GIB:.0f} GiB it may use: {fix}")
     else:

@@ -128,7 +128,8 @@ class Tail:
 def append_event(path: Path, kind: str, message: str, **fields) -> dict:
     """One line of a run's events log (events.jsonl): restarts, resumes, canary alarms, failures.
 
-    kinds: server_fault, server_restart, server_lost, resume, canary_warn, canary_stop, reward_failure, failure."""
+    kinds: server_fault, server_restart, server_lost, resume, canary_warn, canary_stop, reward_failure, failure,
+    reward_engine_restart (a learned reward's engine, serving/rewards.py)."""
     record = {"time": time.time(), "kind": kind, "message": message, **fields}
     path.parent.mkdir(parents=True, exist_ok=True)
     append_jsonl(path, record)

@@ -129,6 +129,10 @@ class TrainDir:
     restart_answer = property(lambda self: self.path / "server-restart.answer")
     own_recipe = property(lambda self: self.path / RECIPE)  # a training's own (the smoke variant, a resumed run)
 
+    def reward_restart_files(self, name: str) -> tuple[Path, Path]:
+        """A rank asks `workbench train` for a new engine of reward `name` (serving/rewards.py) through these."""
+        return self.path / f"reward-{name}-restart.request", self.path / f"reward-{name}-restart.answer"
+
     def complete_checkpoints(self) -> dict[int, Path]:
         """Step -> checkpoint directory, for those whose trainer_state.json is written (transformers writes it
         last, so a checkpoint cut short by a kill is not among them)."""

@@ -558,6 +558,60 @@ def _breakdown(recipe: Recipe) -> list[WorkbenchError]:
     return out
 
 
+def _learned_rewards(recipe: Recipe) -> list[WorkbenchError]:
+    """Reward models and judges against the rest of the recipe: where they can run, their ports, their memory."""
+    try:
+        learned = [s.learned for s in rewardspec.parse(recipe.rewards) if s.is_learned]
+    except WorkbenchError:  # reported by rewardspec.problems
+        return []
+    problems: list[WorkbenchError] = []
+    if recipe.server.runner != "generate":
+        problems.append(WorkbenchError(f"server.runner is {recipe.server.runner!r}: the policy server generates",
+                                       "drop server.runner; a reward model is a rewards: entry of kind model"))
+    if learned and not recipe.server.over_http:
+        problems.append(WorkbenchError(f"rewards.{learned[0].name} is a {learned[0].kind} reward, scored on the "
+                                       f"inference service, but server.mode is {recipe.server.mode}",
+                                       "use server.mode managed or attach"))
+    ports = {recipe.server.port: "server.port"}
+    for i, spec in enumerate(x for x in learned if not x.on_policy_server):
+        e = spec.engine
+        if not e.managed:
+            continue
+        if recipe.server.attached:
+            problems.append(WorkbenchError(
+                f"rewards.{spec.name}'s engine is managed, but the policy server is attached: a managed engine starts "
+                "beside a managed policy server, on its devices",
+                f"serve the reward model on the server node (vllm serve MODEL --runner pooling) and set "
+                f"rewards.{spec.name}.engine.mode=attach with its url"))
+            continue
+        port = e.port if e.port is not None else recipe.server.port + 10 + i
+        if port in ports:
+            problems.append(WorkbenchError(f"rewards.{spec.name}'s engine would listen on port {port}, as "
+                                           f"{ports[port]} does", f"give it another: rewards.{spec.name}.engine.port"))
+        ports[port] = f"rewards.{spec.name}'s engine"
+        if recipe.devices.platform in ("cuda", "npu") and e.gpu_memory_utilization is None:
+            problems.append(WorkbenchError(
+                f"rewards.{spec.name}'s engine has no engine.gpu_memory_utilization: it shares the server's cards "
+                "with the policy", f"give its share, e.g. rewards.{spec.name}.engine.gpu_memory_utilization=0.3, "
+                "and lower server.gpu_memory_utilization so that both fit (workbench plan shows the split)"))
+    for spec in learned:
+        if spec.on_policy_server and not (recipe.lora and recipe.server.weight_sync in ("auto", "lora")):
+            problems.append(WorkbenchError(
+                f"rewards.{spec.name}: a {rewardspec.POLICY_BASE} judge is the policy server's frozen base, which "
+                "only a LoRA run keeps (a full fine-tuning pushes its weights into that model)",
+                f"add a peft: section, or give rewards.{spec.name}.model a judge model of its own"))
+    shares = [s.engine.gpu_memory_utilization for s in learned if not s.on_policy_server and s.engine.managed
+              and s.engine.gpu_memory_utilization is not None]
+    total = recipe.server.gpu_memory_utilization + sum(shares)
+    if shares and recipe.server.managed and recipe.devices.platform in ("cuda", "npu") and total > 1.0:
+        problems.append(WorkbenchError(
+            f"the server cards' memory is over-committed: server.gpu_memory_utilization="
+            f"{recipe.server.gpu_memory_utilization} plus the reward engines' {' + '.join(str(x) for x in shares)} "
+            f"= {total:.2f} of each card", "lower server.gpu_memory_utilization or the engines' shares so the sum "
+            "is at most 1 (less each process's own overhead: workbench plan)"))
+    return problems
+
+
 def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
     """Cross-section and range checks. Returns every problem (raise_first=False) or raises the first one."""
     problems: list[WorkbenchError] = []
@@ -589,6 +643,7 @@ def check(recipe: Recipe, raise_first: bool = True) -> list[WorkbenchError]:
 
     # each reward's function imported and checked (module:function, TRL's signature, its args) at load
     problems += rewardspec.problems(recipe.rewards)
+    problems += _learned_rewards(recipe)
     dist = recipe.distributed
     if dist.processes is not None and dist.processes < 1:
         problems.append(WorkbenchError(f"distributed.processes is {dist.processes}",

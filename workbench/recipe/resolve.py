@@ -211,6 +211,33 @@ def model_path(recipe: Recipe) -> str:
     return recipe.model.path
 
 
+REWARD_MODEL_BUILD = 1  # bump when `workbench reward-model` builds the tiny reward model differently
+
+
+def tiny_reward_model_dir(recipe: Recipe, root: Path | None = None) -> Path:
+    """Where `workbench reward-model` keeps the tiny reward model built on this recipe's tiny base."""
+    return Path(root or paths.data_dir() / "tiny-rm") / f"{model_dir(recipe).name}-rm{REWARD_MODEL_BUILD}"
+
+
+def reward_model_path(recipe: Recipe, learned) -> str:
+    """A learned reward's model: the tiny reward model's directory (tiny-rm, built or not), a directory, or a hub
+    id. A policy-base judge's is the policy's own (it runs on the policy server)."""
+    if learned.model == "tiny-rm":
+        return str(tiny_reward_model_dir(recipe))
+    if learned.model == "policy-base":
+        return model_path(recipe)
+    path = Path(learned.model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise WorkbenchError(f"rewards.{learned.name}.model {path} has no config.json",
+                                 "point it at a Hugging Face model directory (config.json, weights, tokenizer)")
+        return str(path.resolve())
+    if learned.model.count("/") != 1 or learned.model.startswith((".", "/", "~")):
+        raise WorkbenchError(f"rewards.{learned.name}.model {learned.model} does not exist",
+                             "give a model directory, a hub id (org/name), or tiny-rm")
+    return learned.model
+
+
 def _roles(recipe: Recipe, platform: str, sync: str) -> tuple[Role, Role]:
     d = recipe.devices
     peaks = {name: value for name in ("peak_memory_gb_s", "peak_tflops")

@@ -116,6 +116,9 @@ class ServerConfig:
     max_lora_rank: int | None = None  # None: the smallest rank vLLM accepts that holds peft.r
     lora_stale_s: float = 1800.0  # an adapter of a shared server not re-pushed this long is a dead run's: unloaded
     env: dict[str, str] = field(default_factory=dict)  # more environment variables for the server only
+    # vLLM's --runner: generate for the policy (the only value a recipe may give); a reward model's engine is a
+    # pooling one, which the workbench sets on that engine's own section (serving/rewards.py)
+    runner: Literal["generate", "pooling"] = "generate"
 
     # The questions code asks about the mode, by name.
     @property

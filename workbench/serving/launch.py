@@ -64,6 +64,8 @@ def command(rr: Resolved, model_path: str) -> list[str]:
         cmd += ["--data-parallel-size", str(s.data_parallel_size)]
     if platform != "cpu":
         cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    if s.runner == "pooling":  # a reward model's engine (serving/rewards.py): /pooling, no generation
+        cmd += ["--runner", "pooling"]
     if s.max_num_seqs:
         cmd += ["--max-num-seqs", str(s.max_num_seqs)]
     if s.max_num_batched_tokens:
@@ -73,7 +75,8 @@ def command(rr: Resolved, model_path: str) -> list[str]:
     if platform == "cpu":
         cmd += [CPU_NO_CHUNKED_PREFILL]
     # TRL's importance-sampling correction compares the trainer's logprobs with the server's after temperature.
-    cmd += ["--logprobs-mode", "processed_logprobs"]
+    if s.runner == "generate":
+        cmd += ["--logprobs-mode", "processed_logprobs"]
     if serves_lora(rr):
         # one slot per adapter held at once (a run holds two while it swaps versions); all of them kept loaded
         cmd += ["--enable-lora", "--max-lora-rank", str(rr.recipe.served_lora_rank),
@@ -196,6 +199,7 @@ RESERVED_FLAGS = {
     "--max-lora-rank": "server.max_lora_rank",
     "--max-loras": "server.lora_slots",
     "--max-cpu-loras": "server.lora_slots",
+    "--runner": "a rewards: entry of kind model (the policy server generates; a reward model gets its own engine)",
 }
 
 

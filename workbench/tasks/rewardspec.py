@@ -19,6 +19,24 @@ column), so it must take `prompts` and `completions` and a `**kwargs` catch-all;
 `check()` finds an unimportable module, a missing attribute, something not callable, a wrong signature or unknown
 args, each as one error with its fix; `probe()` calls each function on a few training rows before training and
 rejects a return value that is not one finite number (or None) per completion.
+
+Learned rewards (`kind: model` or `kind: judge`) are scored by an inference engine, not called here: their settings
+are parsed and checked here (LearnedReward), and workbench/serving/rewards.py starts their engines and scores:
+
+      preference:
+        kind: model                   # a sequence-classification reward model, served by vLLM (--runner pooling)
+        model: tiny-rm                # `workbench reward-model` builds it; or a model directory, or a hub id
+        weight: 1.0
+        score: logit                  # logit (the head's raw output) | probability (its sigmoid): said explicitly
+        engine: {port: 8010, gpu_memory_utilization: 0.3}   # managed beside the policy server, on its cards
+      grader:
+        kind: judge                   # a chat model asked to grade; its answer parsed to a number
+        model: policy-base            # the LoRA policy server's frozen base (no second copy); or a model of its own
+        template: "Question: {question}\nAnswer: {completion}\nScore 0-10:"   # any dataset column too
+        parser: number                # number | yes_no | regex:<pattern with one group>
+        scale: [0, 10]                # the parsed number mapped to 0..1; outside it: a failed answer
+        on_failure: drop_group        # drop_group (the group trains nothing) | stop (the first failure ends the run)
+        max_failures: 50              # drop_group: the run stops past this many failed completions
 """
 from __future__ import annotations
 
@@ -38,6 +56,14 @@ from workbench.errors import WorkbenchError
 from workbench.tasks import rewards
 
 SPEC_KEYS = ("function", "weight", "args")
+KINDS = ("rule", "model", "judge")
+COMMON_LEARNED = ("kind", "model", "weight", "engine", "timeout_s", "concurrency", "on_failure", "max_failures")
+LEARNED_KEYS = {"model": COMMON_LEARNED + ("score", "normalize"),
+                "judge": COMMON_LEARNED + ("template", "parser", "scale", "max_tokens")}
+ENGINE_KEYS = ("mode", "url", "api_key_env", "served_model_name", "port", "gpu_memory_utilization",
+               "kv_cache_space_gib", "max_model_len", "dtype", "startup_timeout_s", "max_restarts", "env")
+POLICY_BASE = "policy-base"  # a judge that is the LoRA policy server's base model, asked without an adapter
+TINY_RM = "tiny-rm"  # the reward model `workbench reward-model` builds from the tiny base
 
 
 @dataclass
@@ -46,10 +72,16 @@ class RewardSpec:
     weight: float
     function: str  # a registry name, or module:function / path.py:function
     args: dict[str, Any] = field(default_factory=dict)
+    kind: str = "rule"  # rule (a Python function) | model | judge (scored by an engine: `learned`)
+    learned: "LearnedReward | None" = None
 
     @property
     def external(self) -> bool:
         return ":" in self.function
+
+    @property
+    def is_learned(self) -> bool:
+        return self.learned is not None
 
     def resolve(self) -> Callable:
         """The function itself (imported for module:function), unbound."""
@@ -82,8 +114,11 @@ def parse(rewards: dict) -> list[RewardSpec]:
         if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
             raise WorkbenchError(f"{where} is {value!r}: expected a weight or a mapping with function/weight/args",
                                  f"write `{name}: 1.0`, or `{name}: {{function: module:function, weight: 1.0}}`")
+        if isinstance(value, dict) and value.get("kind", "rule") != "rule":
+            out.append(_learned(str(name), value))
+            continue
         if isinstance(value, dict):
-            unknown = sorted(set(value) - set(SPEC_KEYS))
+            unknown = sorted(set(value) - set(SPEC_KEYS) - {"kind"})
             if unknown:
                 raise WorkbenchError(f"{where} has unknown key(s) {unknown}", f"use only {', '.join(SPEC_KEYS)}")
             weight = value.get("weight", 1.0)
@@ -110,8 +145,11 @@ def parse(rewards: dict) -> list[RewardSpec]:
     return out
 
 
-def check(spec: RewardSpec) -> Callable:
-    """Import and check one spec's function (callable, TRL's signature, its args); the function, or one error."""
+def check(spec: RewardSpec) -> Callable | None:
+    """Import and check one spec's function (callable, TRL's signature, its args); the function, or one error.
+    A learned reward has no function here (its settings were checked by parse)."""
+    if spec.is_learned:
+        return None
     where = f"rewards.{spec.name}"
     fn = spec.resolve()
     if not callable(fn):
@@ -180,6 +218,9 @@ def probe(spec: RewardSpec, rows: list[dict]) -> None:
     """Call the reward as TRL would on a few training rows (a well-formed answer and an empty completion each),
     before training: an exception or a return value that is not one finite number (or None) per completion is an
     error that names the reward and what it returned."""
+    if spec.is_learned:  # scored by its engine, which is not up yet: what the template asks of the rows
+        spec.learned.check_columns(rows[0] if rows else {})
+        return
     fn = spec.callable()
     rows = rows[:2]
     if not rows:
@@ -276,3 +317,184 @@ def _installed(module) -> bool:
     roots = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), Path(__file__).resolve().parents[1]}
     path = Path(origin).resolve()
     return any(root in path.parents for root in roots)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Learned rewards: a reward model or a judge, scored by an inference engine (workbench/serving/rewards.py)
+
+FAILURE_POLICIES = ("drop_group", "stop")
+PARSERS = ("number", "yes_no")  # or regex:<pattern>
+SCORES = ("logit", "probability")
+NORMALIZE = ("none", "batch")
+TEMPLATE_FIELDS = ("question", "completion")  # always there; any other field must be a dataset column
+
+
+@dataclass
+class EngineSpec:
+    """Where a learned reward runs: an engine the workbench starts beside the policy server, on the server role's
+    devices (managed), or one someone else serves (attach, at url). Unset sizes follow the policy server's."""
+    mode: str = "managed"  # managed | attach
+    url: str | None = None  # attach: e.g. http://10.0.0.5:8010
+    api_key_env: str | None = None  # the variable holding the attached engine's key (never the key)
+    served_model_name: str | None = None  # None: reward-<name> (managed); attach: the name it answers to
+    port: int | None = None  # managed: None = the policy server's port + 10 + the reward's index
+    gpu_memory_utilization: float | None = None  # accelerators: this engine's share of each server card
+    kv_cache_space_gib: int = 1  # CPU: the engine's KV space (VLLM_CPU_KVCACHE_SPACE)
+    max_model_len: int | None = None  # None: the policy server's
+    dtype: str | None = None  # None: the policy server's
+    startup_timeout_s: float | None = None  # None: the policy server's
+    max_restarts: int | None = None  # None: the policy server's
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def managed(self) -> bool:
+        return self.mode == "managed"
+
+
+@dataclass
+class LearnedReward:
+    """A `kind: model` or `kind: judge` reward's settings, checked at load."""
+    name: str
+    kind: str  # model | judge
+    model: str  # a directory, a hub id, tiny-rm, or (judge) policy-base
+    engine: EngineSpec
+    score: str = "logit"  # model: logit | probability
+    normalize: str = "none"  # model: none | batch (standardised over each scored batch)
+    template: str = ""  # judge: the grading prompt
+    parser: str = "number"  # judge: number | yes_no | regex:<pattern>
+    scale: tuple[float, float] | None = None  # judge: the parsed number's range, mapped to 0..1
+    max_tokens: int = 16  # judge: tokens its answer may take
+    timeout_s: float = 60.0  # one request's bound; a request past it is a failed completion
+    concurrency: int = 16  # requests in flight at once
+    on_failure: str = "drop_group"
+    max_failures: int = 50
+
+    @property
+    def on_policy_server(self) -> bool:
+        """A judge that is the policy server's own base model (a LoRA run): no engine of its own."""
+        return self.kind == "judge" and self.model == POLICY_BASE
+
+    @property
+    def pattern(self):
+        import re
+
+        return re.compile(self.parser[len("regex:"):]) if self.parser.startswith("regex:") else None
+
+    def template_fields(self) -> list[str]:
+        import string
+
+        return [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
+
+    def check_columns(self, row: dict) -> None:
+        """A judge's template asks only for question, completion and columns the training rows have."""
+        if self.kind != "judge":
+            return
+        missing = [f for f in self.template_fields() if f not in TEMPLATE_FIELDS and f not in row]
+        if missing:
+            raise WorkbenchError(f"rewards.{self.name}.template asks for {{{missing[0]}}}, which is neither question, "
+                                 f"completion nor a column of the training rows (they have: "
+                                 f"{', '.join(sorted(k for k in row if k != 'prompt'))})",
+                                 "use a column the data has, or add it to the data file")
+
+
+def _number(value, where: str, fix: str, low: float | None = None, integer: bool = False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise WorkbenchError(f"{where} is {value!r}", fix)
+    if low is not None and not value > low:
+        raise WorkbenchError(f"{where} is {value!r}: it must be above {low:g}", fix)
+    return value
+
+
+def _choice(value, choices, where: str):
+    if value not in choices:
+        raise WorkbenchError(f"{where} is {value!r}", f"use one of: {', '.join(choices)}")
+    return value
+
+
+def _learned(name: str, value: dict) -> RewardSpec:
+    """A `kind: model | judge` entry as a spec, every key checked (one error with its fix)."""
+    where = f"rewards.{name}"
+    kind = value.get("kind")
+    if kind not in KINDS:
+        raise WorkbenchError(f"{where}.kind is {kind!r}", f"use one of: {', '.join(KINDS)}")
+    unknown = sorted(set(value) - set(LEARNED_KEYS[kind]))
+    if unknown:
+        raise WorkbenchError(f"{where} has unknown key(s) {unknown} for kind {kind}",
+                             f"use only {', '.join(LEARNED_KEYS[kind])}")
+    model = value.get("model")
+    if not isinstance(model, str) or not model:
+        hint = (f"`model: {TINY_RM}` (built by `workbench reward-model`), a model directory or a hub id"
+                if kind == "model" else f"`model: {POLICY_BASE}` (a LoRA run's frozen base) or a chat model")
+        raise WorkbenchError(f"{where}.model is not set", f"name the {kind}: {hint}")
+    if kind == "model" and model == POLICY_BASE:
+        raise WorkbenchError(f"{where}: {POLICY_BASE} is a judge's model (the policy's base asked to grade)",
+                             "a reward model is a sequence-classification checkpoint: name its directory or hub id")
+    weight = value.get("weight", 1.0)
+    _number(weight, f"{where}.weight", "set a number, e.g. weight: 0.5")
+    raw_engine = value.get("engine") or {}
+    if not isinstance(raw_engine, dict):
+        raise WorkbenchError(f"{where}.engine is {raw_engine!r}", "give a mapping, e.g. {port: 8010}")
+    bad = sorted(set(raw_engine) - set(ENGINE_KEYS))
+    if bad:
+        raise WorkbenchError(f"{where}.engine has unknown key(s) {bad}", f"use only {', '.join(ENGINE_KEYS)}")
+    engine = EngineSpec(**raw_engine)
+    _choice(engine.mode, ("managed", "attach"), f"{where}.engine.mode")
+    if engine.mode == "attach" and not engine.url:
+        raise WorkbenchError(f"{where}.engine.mode is attach without a url",
+                             f"set {where}.engine.url (e.g. http://10.0.0.5:8010) and its served_model_name")
+    if engine.gpu_memory_utilization is not None:
+        _number(engine.gpu_memory_utilization, f"{where}.engine.gpu_memory_utilization",
+                "give this engine's share of a card, e.g. 0.3", low=0.0)
+        if engine.gpu_memory_utilization >= 1.0:
+            raise WorkbenchError(f"{where}.engine.gpu_memory_utilization is {engine.gpu_memory_utilization}",
+                                 "give a share below 1: the policy server holds the rest of the card")
+    if engine.port is not None:
+        _number(engine.port, f"{where}.engine.port", "give a port number, e.g. 8010", low=0, integer=True)
+    if kind == "judge" and model == POLICY_BASE and raw_engine:
+        raise WorkbenchError(f"{where}: a {POLICY_BASE} judge runs on the policy server and has no engine of its own",
+                             f"drop {where}.engine, or name a judge model of its own")
+    spec = LearnedReward(name=name, kind=kind, model=model, engine=engine)
+    spec.timeout_s = float(_number(value.get("timeout_s", spec.timeout_s), f"{where}.timeout_s",
+                                   "give seconds, e.g. timeout_s: 30", low=0.0))
+    spec.concurrency = _number(value.get("concurrency", spec.concurrency), f"{where}.concurrency",
+                               "give a count, e.g. concurrency: 16", low=0, integer=True)
+    spec.on_failure = _choice(value.get("on_failure", spec.on_failure), FAILURE_POLICIES, f"{where}.on_failure")
+    spec.max_failures = _number(value.get("max_failures", spec.max_failures), f"{where}.max_failures",
+                                "give a count, e.g. max_failures: 50", low=-1, integer=True)
+    if kind == "model":
+        if "score" not in value:
+            raise WorkbenchError(f"{where}.score is not set: vLLM hands back the head's sigmoid unless asked for the "
+                                 "logit, and the two train differently", "say which: score: logit, or "
+                                 "score: probability")
+        spec.score = _choice(value["score"], SCORES, f"{where}.score")
+        spec.normalize = _choice(value.get("normalize", "none"), NORMALIZE, f"{where}.normalize")
+    else:
+        template = value.get("template")
+        if not isinstance(template, str) or "{completion}" not in template:
+            raise WorkbenchError(f"{where}.template must be a prompt that contains {{completion}}",
+                                 "e.g. template: \"Question: {question}\\nAnswer: {completion}\\nScore 0-10:\"")
+        spec.template = template
+        try:
+            spec.template_fields()
+            template.format(**{f: "" for f in spec.template_fields()})
+        except (ValueError, IndexError, KeyError) as exc:
+            raise WorkbenchError(f"{where}.template does not format ({exc})",
+                                 "name fields as {question}; write a literal brace as {{ or }}") from None
+        parser = value.get("parser", "number")
+        if not isinstance(parser, str) or (parser not in PARSERS and not parser.startswith("regex:")):
+            raise WorkbenchError(f"{where}.parser is {parser!r}", "use number, yes_no, or regex:<pattern with one "
+                                 "group that captures the number>")
+        spec.parser = parser
+        if spec.pattern is not None and spec.pattern.groups != 1:
+            raise WorkbenchError(f"{where}.parser's pattern has {spec.pattern.groups} groups",
+                                 "give it exactly one group, the number: regex:Score: (\\d+)")
+        scale = value.get("scale")
+        if scale is not None:
+            if (not isinstance(scale, (list, tuple)) or len(scale) != 2
+                    or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in scale)
+                    or not scale[1] > scale[0]):
+                raise WorkbenchError(f"{where}.scale is {scale!r}", "give the low and high score, e.g. scale: [0, 10]")
+            spec.scale = (float(scale[0]), float(scale[1]))
+        spec.max_tokens = _number(value.get("max_tokens", spec.max_tokens), f"{where}.max_tokens",
+                                  "give a token count, e.g. max_tokens: 16", low=0, integer=True)
+    return RewardSpec(name, float(weight), f"{kind}:{model}", kind=kind, learned=spec)

@@ -125,17 +125,26 @@ class Recovery:
 
 
 class RestartRequest:
-    """A rank's way of asking `workbench train` (which owns the server) for a restart; waits for the answer."""
+    """A rank's way of asking `workbench train` (which owns the server) for a restart; waits for the answer.
+    `reward`: the engine of that learned reward instead of the policy server (serving/rewards.py)."""
 
-    def __init__(self, train_dir: TrainDir, timeout: float) -> None:
+    def __init__(self, train_dir: TrainDir, timeout: float, reward: str | None = None) -> None:
         self.train_dir = train_dir
         self.timeout = timeout
+        self.files = (train_dir.reward_restart_files(reward) if reward is not None
+                      else (train_dir.restart_request, train_dir.restart_answer))
 
     def __call__(self) -> float | None:
-        return ask_restart(self.train_dir.restart_request, self.train_dir.restart_answer, self.timeout,
-                           "`workbench train`").get("seconds")
+        return ask_restart(*self.files, self.timeout, "`workbench train`").get("seconds")
 
 
-def serve_restart_requests(train_dir: TrainDir, restart: Callable[[], float | None]) -> bool:
-    """Answer a pending restart request of a rank (called in `workbench train`'s wait loop); True when one was served."""
-    return answer_restart(train_dir.restart_request, train_dir.restart_answer, restart)
+def serve_restart_requests(train_dir: TrainDir, restart: Callable[[], float | None] | None,
+                           engines=None) -> bool:
+    """Answer a pending restart request of a rank (called in `workbench train`'s wait loop), for the policy server
+    and for each managed reward engine (`engines`: serving.rewards.RewardEngines); True when one was served."""
+    served = answer_restart(train_dir.restart_request, train_dir.restart_answer, restart) if restart else False
+    for name in (engines.servers if engines is not None else {}):
+        again = engines.restarter(name)
+        if again is not None:
+            served = answer_restart(*train_dir.reward_restart_files(name), again) or served
+    return served

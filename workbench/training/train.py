@@ -41,8 +41,9 @@ from workbench.rundir import TrainDir, recipe_text, write_atomic
 from workbench.secrets import redact
 from workbench.serving import sync
 from workbench.serving.offline import keep_live_weights, prepare_engine_environment
+from workbench.serving.rewards import RewardEngines
 from workbench.serving.server import VLLMServer, child_setup, popen
-from workbench.training import launch
+from workbench.training import launch, rewardmodel
 from workbench.training.canary import CanaryAlarm
 from workbench.training.config import preflight
 from workbench.training.gauge import training_cores
@@ -71,6 +72,9 @@ class TrainSummary:
     refill_prompts: int | None = None  # extra prompts dynamic sampling generated (training/dynamic.py)
     # requests sent again, every rank, after the server dropped their connection unanswered (serving/sync.py)
     resent_requests: int = 0
+    # each learned reward's (serving/rewards.py): requests this rank sent, completions failed on every rank, engine
+    # restarts, and its scoring seconds on this rank
+    learned_rewards: dict = field(default_factory=dict)
 
     def save(self, train_dir: TrainDir) -> Path:
         return write_atomic(train_dir.summary, json.dumps(asdict(self), indent=2))
@@ -163,13 +167,14 @@ def check_same_recipe(ranks: list[dict]) -> None:
 
 
 def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: int | None = None,
-                server_url: str | None = None, log=print, restart=None, resume_from: Path | None = None
-                ) -> TrainSummary | None:
+                server_url: str | None = None, log=print, restart=None, resume_from: Path | None = None,
+                reward_restart: dict | None = None) -> TrainSummary | None:
     """Build the trainer against a server that already answers, train, save. Runs in the single training
     process or in every rank under `accelerate launch`; only the main rank writes files and returns a summary.
 
     `restart` brings a dead server back (VLLMServer.restart here, a RestartRequest in a rank; None: a server fault
-    ends the run); `resume_from` is the checkpoint a resumed training continues from (see prepare_resume)."""
+    ends the run); `reward_restart` does the same for each learned reward's engine, by reward name;
+    `resume_from` is the checkpoint a resumed training continues from (see prepare_resume)."""
     from workbench.training.callbacks import JsonlMetrics, StopFlag  # lazy: transformers
     from workbench.training.trainer import build_trainer  # lazy: accelerate
 
@@ -187,7 +192,7 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
                 if rr.platform == "cpu":
                     keep_live_weights()
             trainer = build_trainer(rr, model_path, train_dir.checkpoints, weight_sync, train_dir=train_dir,
-                                    recovery=recovery, log=log)
+                                    recovery=recovery, log=log, reward_restart=reward_restart)
             accelerator = trainer.accelerator
             main = accelerator.is_main_process
             ranks = accelerator.gather_for_metrics([_rank_record(rr, accelerator)], use_gather_object=True)
@@ -233,7 +238,7 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
                                resumed_from=_checkpoint_step(resume_from) if resume_from else None,
                                adapter=_adapter_record(rr, weight_sync, train_dir), generated_tokens=int(generated),
                                refill_prompts=trainer.refill_prompts if trainer.dynamic is not None else None,
-                               resent_requests=int(resent))
+                               resent_requests=int(resent), learned_rewards=learned_record(trainer))
         summary.save(train_dir)
         return summary
     finally:
@@ -244,6 +249,14 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
             client.close_communicator()
         elif isinstance(weight_sync, sync.ReloadSync):
             weight_sync.close()
+
+
+def learned_record(trainer) -> dict:
+    """What each learned reward cost and lost in this training (the main rank's Scorers)."""
+    from workbench.serving.rewards import Scorer
+
+    return {f.__name__: {"requests": f.requests_total, "failed": f.failed_total, "restarts": f.restarts,
+                         "seconds": round(f.seconds, 2)} for f in trainer.reward_funcs if isinstance(f, Scorer)}
 
 
 def _adapter_record(rr: Resolved, weight_sync, train_dir: TrainDir) -> dict | None:
@@ -324,7 +337,7 @@ def prepare_resume(rr: Resolved, train_dir: TrainDir, log=print) -> Path:
 
 
 def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, server=None,
-               resume_from: Path | None = None) -> None:
+               resume_from: Path | None = None, engines=None) -> None:
     """This node's trainer processes against the running server, with the trainer role's environment: `accelerate
     launch` of its ranks, or the single trainer as one child process; waits, and fails with the log tail."""
     cmd, env = launch.trainer_processes(rr, train_dir, server_pid)
@@ -349,8 +362,8 @@ def _run_ranks(rr: Resolved, train_dir: TrainDir, server_pid: int | None, log, s
                 code = proc.wait(timeout=1.0)
                 break
             except subprocess.TimeoutExpired:
-                if server is not None:
-                    serve_restart_requests(train_dir, server.restart)
+                if server is not None or engines is not None:
+                    serve_restart_requests(train_dir, server.restart if server is not None else None, engines)
     except BaseException:  # Ctrl-C or a kill of this process: the ranks go too
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
@@ -435,7 +448,10 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False, ch
             f"final model {train_dir.final}")
         return summary
     managed = recipe.server.managed
-    with VLLMServer(rr, model_path, train_dir.path, for_training=True) as srv:
+    if rewardmodel.needed(rr):  # the tiny reward model, built on first use like the tiny model
+        rewardmodel.ensure(rr, log=log)
+    with VLLMServer(rr, model_path, train_dir.path, for_training=True) as srv, \
+            RewardEngines(rr, train_dir.path, events=train_dir.events, log=log) as engines:
         log(f"server: {srv.url} serving {recipe.server.served_model_name!r}"
             + (f", started in {srv.startup_seconds:.0f}s" if srv.startup_seconds else " (attached)"))
         server_pid = srv.pid
@@ -444,13 +460,15 @@ def train(rr: Resolved, train_dir: TrainDir, log=print, resume: bool = False, ch
         except Exception:
             train_dir.server_metrics_start.unlink(missing_ok=True)
         if own_process:
-            _run_ranks(rr, train_dir, server_pid, log, server=srv if managed else None, resume_from=resume_from)
+            _run_ranks(rr, train_dir, server_pid, log, server=srv if managed else None, resume_from=resume_from,
+                       engines=engines)
             summary = TrainSummary.load(train_dir)
             if summary is None:
                 raise WorkbenchError("the trainer process(es) ended without a train.json", f"read {train_dir.log}")
         else:
             summary = run_trainer(rr, train_dir, model_path, server_pid, srv.url, log=log,
-                                  restart=srv.restart if managed else None, resume_from=resume_from)
+                                  restart=srv.restart if managed else None, resume_from=resume_from,
+                                  reward_restart={name: engines.restarter(name) for name in engines.servers})
         try:
             write_atomic(train_dir.server_metrics, srv.metrics())
         except Exception as exc:  # the run is saved; a missing snapshot only costs the rollout summary

@@ -34,6 +34,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from workbench.recipe import Resolved
 from workbench.rundir import TrainDir
 from workbench.serving import client, sync
+from workbench.serving.rewards import Scorer
 from workbench.tasks import rewards
 from workbench.training.canary import Canary
 from workbench.training.evalcurve import EvalCurve
@@ -517,7 +518,10 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         if not self._refilling:  # the batch's own scoring: taken once
             kept, self._kept_rewards = self._kept_rewards, None
         try:  # every rank's, gathered; a refilled batch's were scored when it was judged (training/dynamic.py)
-            rewards = kept if kept is not None else super()._calculate_rewards(*args, **kwargs)
+            if kept is not None:
+                rewards = kept
+            else:
+                rewards = self._drop_unscored(super()._calculate_rewards(*args, **kwargs))
         finally:
             self._timed("reward", started)
         if self.model.training and not self._refilling:  # the workbench's own count of groups without signal
@@ -525,6 +529,34 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
                                   self.multi_objective_aggregation)
             for key, value in signal.items():
                 self._metrics["train"][key].append(value)
+        return rewards
+
+    def _drop_unscored(self, rewards):
+        """Completions a learned reward could not score (serving/rewards.Scorer.failed_now, every rank's): their
+        groups get no reward from any function (NaN rows, which TRL 1.16 gives no advantage and leaves out of the
+        baselines and means), so a failure trains nothing instead of a silent zero. Counted, and each reward's
+        failure policy applied on the same gathered counts on every rank (all stop together)."""
+        import math
+
+        scorers = [f for f in self.reward_funcs if isinstance(f, Scorer)]
+        if not scorers:
+            return rewards
+        from accelerate.utils import gather_object
+
+        local = rewards.shape[0] // self.accelerator.num_processes
+        offset = self.accelerator.process_index * local
+        mine = (offset, sorted({i for s in scorers for i in s.failed_now}), [len(s.failed_now) for s in scorers])
+        for scorer in scorers:
+            scorer.failed_now = []
+        everyone = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
+        size = self.num_generations if self.model.training else self.num_generations_eval
+        groups = unscored_groups(everyone, size)
+        for g in groups:
+            rewards[g * size:(g + 1) * size] = math.nan
+        if self.model.training and not self._refilling:
+            self._metrics["train"]["reward/dropped_groups"].append(float(len(groups)))
+        for k, scorer in enumerate(scorers):
+            scorer.account(sum(counts[k] for _, _, counts in everyone))
         return rewards
 
     def _step_breakdown(self, pushes: list[tuple[float, int]]) -> dict[str, float]:
@@ -622,6 +654,12 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             client.recovery = recovery
 
 
+def unscored_groups(ranks: list[tuple[int, list[int], list[int]]], size: int) -> list[int]:
+    """The groups (of `size` completions, in the gathered batch's order) holding a completion some learned reward
+    could not score; `ranks`: each rank's (offset of its rows in the gathered batch, its failed row indices, ...)."""
+    return sorted({(offset + i) // size for offset, failed, _ in ranks for i in failed})
+
+
 class _TrainBegin(TrainerCallback):
     """on_train_begin runs after the model is prepared and a resume's checkpoint loaded, before the first step."""
 
@@ -633,11 +671,21 @@ class _TrainBegin(TrainerCallback):
         self.trainer._drift_start()
 
 
+def reward_functions(rr: Resolved, reward_restart: dict | None = None) -> list:
+    """The recipe's rewards as TRL reward functions, in the recipe's order: a rule checked on every call
+    (tasks/rewards.guarded), a reward model or judge scored through its engine (serving/rewards.Scorer, with the
+    restart of its engine where this process may ask for one)."""
+    restarts = reward_restart or {}
+    return [Scorer(rr, spec, restarts.get(spec.name)) if spec.is_learned else rewards.guarded(spec)
+            for spec in rr.task.reward_specs]
+
+
 def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: sync.WeightSync,
-                  train_dir: TrainDir | None = None, recovery: Recovery | None = None, log=print
-                  ) -> WorkbenchGRPOTrainer:
+                  train_dir: TrainDir | None = None, recovery: Recovery | None = None, log=print,
+                  reward_restart: dict | None = None) -> WorkbenchGRPOTrainer:
     """A ready trainer for the recipe (the server must already answer at the recipe's URL). With `train_dir`, the
-    weight-parity canary writes there; with `recovery`, a dead or hung server is restarted mid-run."""
+    weight-parity canary writes there; with `recovery`, a dead or hung server is restarted mid-run;
+    `reward_restart`: a restart for each learned reward's engine, by name."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -656,7 +704,7 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
     trainer = WorkbenchGRPOTrainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=train_dataset, dynamic=dynamic,
         peft_config=lora_config(rr) if recipe.lora else None,
-        reward_funcs=[rewards.guarded(spec) for spec in rr.task.reward_specs],
+        reward_funcs=reward_functions(rr, reward_restart),
         weight_sync=weight_sync, headers=rr.headers, request_timeout=recipe.server.request_timeout_s,
         canary=canary, recovery=recovery,
         server_logprobs=lambda ids, model=None: client.sequence_logprobs(rr, ids, model=model),
