@@ -298,8 +298,8 @@ rewards:
     model: policy-base
     weight: 0.1
     template: "{{question}} {{completion}}"
-    parser: "regex:<answer>(-?\\\\d+)</answer>"
-    scale: [-100, 200]
+    parser: number        # the tiny base grades nothing; it answers with a number, which is what this checks
+    scale: [-1000, 1000]
     max_tokens: 16
     on_failure: drop_group
     max_failures: 10000
@@ -352,13 +352,17 @@ def test_training_with_a_reward_model_and_a_judge_survives_the_reward_engines_de
         for key in ("rewards/preference/mean", "rewards/grader/mean", "rewards/correctness/mean",
                     "reward/preference/failed", "reward/grader/failed", "time/reward"):
             assert key in row, (key, sorted(row))
-        assert 0.0 <= row["rewards/preference/mean"] <= 1.0  # score: probability
         assert row["reward/preference/failed"] == 0.0  # the restart came before any request was given up
+        # a group with a completion the judge could not score trains nothing (and is not in the means)
+        assert 0 <= row["reward/dropped_groups"] <= 2 and row["reward/grader/failed"] <= 8
+    means = [r["rewards/preference/mean"] for r in metrics if r["reward/dropped_groups"] < 2]
+    assert len(means) >= 2 and all(0.0 <= m <= 1.0 for m in means), metrics  # score: probability
     summary = json.loads((train / "train.json").read_text())
     learned = summary["learned_rewards"]
     assert learned["preference"]["restarts"] == 1 and learned["preference"]["failed"] == 0
     assert learned["preference"]["requests"] == 4 * 8
     assert learned["grader"]["restarts"] == 0 and learned["grader"]["requests"] == 4 * 8
+    assert learned["grader"]["failed"] == sum(r["reward/grader/failed"] for r in metrics) < 16
     events = [e for e in read_jsonl(train / "events.jsonl") if e.get("kind") == "reward_engine_restart"]
     assert len(events) == 1 and events[0]["reward"] == "preference"
     # the old engine's log kept beside the new one's; nothing of either left running

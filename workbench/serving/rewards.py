@@ -66,7 +66,8 @@ def engine_resolved(rr: Resolved, spec: RewardSpec) -> Resolved:
     """The engine's own resolved recipe: the policy server's section with this engine's name, port, sizes and
     model; no adapters, no weight sync, on the server role's devices."""
     learned, e = spec.learned, spec.learned.engine
-    index = [s.name for s in engine_specs(rr)].index(spec.name)
+    names = [s.name for s in engine_specs(rr)]
+    index = names.index(spec.name) if spec.name in names else len(names)  # a spec of no recipe: after them
     recipe = copy.deepcopy(rr.recipe)
     s = recipe.server
     recipe.peft = {}
