@@ -304,3 +304,36 @@ def test_memory_growth_per_role():
     assert finding is not None and finding.evidence.startswith("trainer 8") and "server" not in finding.evidence
     trend = advisor.memory_trend(grows)["trainer"]
     assert trend["slope_mb_per_hour"] == pytest.approx(900 / (99 / 60), rel=0.01)
+
+
+LEARNED_RECIPE = {**RECIPE, "rewards": {"correctness": 0.0, "format": 0.2,
+                                        "preference": {"kind": "model", "model": "tiny-rm", "score": "logit"}}}
+
+
+def _learned_metrics(verified_rises: bool, with_verified: bool = True) -> list[dict]:
+    rows = healthy_metrics()
+    for i, row in enumerate(rows):
+        row["rewards/preference/mean"] = 0.2 + 0.02 * i  # the learned reward climbs all run
+        if not with_verified:
+            del row["rewards/correctness/mean"]
+        elif not verified_rises:
+            row["rewards/correctness/mean"] = 0.40 + (0.01 if i % 2 else -0.01)  # flat around 0.4
+    return rows
+
+
+def test_a_learned_reward_rising_while_the_verified_accuracy_stays_flat_is_reward_hacking():
+    found = {f.rule: f for f in advisor.advise(metrics=_learned_metrics(False), recipe=LEARNED_RECIPE)}
+    hack = found["reward_hacking"]
+    assert hack.severity == "warning" and "preference rises, the verified accuracy does not" in hack.title
+    assert "rewards/correctness/mean 0.4 -> 0.4" in hack.evidence
+    # the same learned reward while the verified accuracy rises with it: no finding
+    rules = {f.rule for f in advisor.advise(metrics=_learned_metrics(True), recipe=LEARNED_RECIPE)}
+    assert "reward_hacking" not in rules and "reward_unverified" not in rules
+    # a rule-only run never gets it, whatever its rewards do
+    assert "reward_hacking" not in {f.rule for f in advisor.advise(metrics=_learned_metrics(False), recipe=RECIPE)}
+
+
+def test_a_learned_reward_without_a_verified_one_beside_it_is_named():
+    found = {f.rule: f for f in advisor.advise(metrics=_learned_metrics(False, with_verified=False),
+                                               recipe=LEARNED_RECIPE)}
+    assert "correctness: 0.0" in found["reward_unverified"].suggestion

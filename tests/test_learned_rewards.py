@@ -178,34 +178,41 @@ def test_the_tiny_reward_model_agrees_with_the_rule_on_held_out_completions(tiny
 
 
 @pytest.mark.heavy
-def test_the_served_reward_model_scores_chat_messages_as_its_head_does(tiny_rm_dir, tmp_path):
-    """vLLM's /pooling on prompt + completion messages (what Scorer sends) equals the head's logit on the chat
-    template's text (what the reward model was trained on); probability is its sigmoid."""
+def test_the_reward_lab_scores_with_the_served_reward_model_as_its_head_does(tiny_rm_dir):
+    """The reward lab starts the reward model's engine (--runner pooling) and scores completions through vLLM's
+    /pooling on prompt + completion messages (what training's Scorer sends); each score equals the head's own logit
+    on the chat template's text (what the reward model was trained on). Where it and the rule disagree most comes
+    first in lab.disagreements."""
+    import pandas as pd
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from workbench.serving.rewards import RewardEngines, Scorer
+    from workbench.experiments import rewardlab
 
-    rr = recipe.resolve(recipe.load("cpu-tiny-rm", [f"server.port={free_port()}",
-                                                    f"rewards.preference.engine.port={free_port()}"]))
-    spec = next(s for s in rr.task.reward_specs if s.is_learned)
+    rr = recipe.resolve(recipe.load("cpu-tiny-rm", [f"server.port={free_port()}"]))
     rows = rr.task.rows("validation", 6)
-    prompts = [r["prompt"] for r in rows]
-    completions = [[{"role": "assistant", "content": f"{r['answer']} <answer>{r['answer']}</answer>"}] for r in rows]
+    samples = pd.DataFrame([{"step": 0, "group": i, "prompt": r["prompt"][-1]["content"], "answer": r["answer"],
+                             "completion": text, "length": len(text)}
+                            for i, r in enumerate(rows)
+                            for text in (f"<answer>{r['answer']}</answer>", f"<answer>{int(r['answer']) + 1}</answer>")])
+    rewards = {"correctness": 0.0, "preference": {"kind": "model", "model": "tiny-rm", "score": "logit",
+                                                  "engine": {"port": free_port()}}}
+    lab = rewardlab.score(samples, rewards, rr.recipe, rr=rr, log=lambda *_: None)
     tokenizer = AutoTokenizer.from_pretrained(tiny_rm_dir)
     head = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir).eval()
-    texts = [tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                                           tokenize=False) for p, c in zip(samples["prompt"], samples["completion"])]
     with torch.no_grad():
         logits = head(**tokenizer(texts, return_tensors="pt", padding=True, padding_side="right",
                                   add_special_tokens=False)).logits[:, 0].tolist()
-    with RewardEngines(rr, log_dir=tmp_path) as engines:
-        argv = engines.servers["preference"].log_path.read_text().splitlines()[0].split()
-        assert argv[argv.index("--runner") + 1] == "pooling"
-        probability = Scorer(rr, spec)(prompts, completions)
-        spec.learned.score = "logit"
-        served = Scorer(rr, spec)(prompts, completions)
-    assert max(abs(a - b) for a, b in zip(served, logits)) < 1e-4
-    assert max(abs(p - 1 / (1 + math.exp(-x))) for p, x in zip(probability, logits)) < 1e-4
+    served = lab.scores["preference"].tolist()
+    assert max(abs(a - b) for a, b in zip(served, logits)) < 1e-4, (served, logits)
+    assert lab.scores["correct"].tolist() == [1.0, 0.0] * 6
+    worst = lab.disagreements("preference", n=3)
+    assert len(worst) == 3 and worst["rank_gap"].is_monotonic_decreasing and worst["rank_gap"].iloc[0] > 0
+    from workbench.serving.launch import listening_pid
+
+    assert listening_pid(rewards["preference"]["engine"]["port"]) is None  # stopped with the lab
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ Paths: `in-process` (TRL's own `generate` in the trainer process, server.mode of
 inside the trainer process), `server` (the managed vLLM server, synchronous) and `async` (the managed server, the
 next batch generated while the current step trains: workbench/training/overlap.py) and `lora` (the same as
 `server`, training a rank-16 adapter on every projection and pushing the adapter alone: server.weight_sync lora, on a
-LoRA server of its own). On the CPU the paths without a server get the server's cores too: the trade-off a user
-faces is "give cards to a server, or keep them all".
+LoRA server of its own) and `reward-model` (the same as `server`, with the tiny reward model scored beside the rules
+on an engine of its own next to the server, as in cpu-tiny-rm: the learned reward's cost per step is its
+`time/reward`; the same tiny reward model for every size). On the CPU the paths without a server get the server's
+cores too: the trade-off a user faces is "give cards to a server, or keep them all".
 
 Per path: the median over the measured steps (after `--warmup` steps) of the step time and its breakdown
 (generation as the server ran it, the trainer's wait for it, weight sync, reward, scoring, optimisation), the
@@ -53,6 +55,7 @@ from workbench.platform import limits as roofline
 from workbench.errors import WorkbenchError
 from workbench.platform.compat import dist_version
 from workbench.recipe import Resolved, load, resolve
+from workbench.recipe.resolve import tiny_reward_model_dir
 from workbench.records import read_jsonl
 from workbench.rundir import RunDir, StageDir, TrainDir, write_atomic
 from workbench.training import launch
@@ -60,7 +63,7 @@ from workbench.training.config import preflight
 from workbench.training.gauge import decode_context, role_limits
 
 LOCAL = ("in-process", "colocate")  # no server: the trainer gets the server's cores too
-SERVED = ("server", "async")  # the paths that share one managed server (and its saturation sweep)
+SERVED = ("server", "async", "reward-model")  # the paths that share one managed server (and its saturation sweep)
 OWN_SERVER = ("lora",)  # a path on a server of its own (started with LoRA slots), measured alone
 LORA = ["peft.r=16", "peft.lora_alpha=32", "peft.target_modules=all-linear"]
 PATHS = {  # name -> what the recipe says for it
@@ -69,6 +72,9 @@ PATHS = {  # name -> what the recipe says for it
     "server": ["server.mode=managed", "rollout.mode=sync"],
     "async": ["server.mode=managed", "rollout.mode=async"],
     "lora": ["server.mode=managed", "rollout.mode=sync", *LORA],
+    # the rules and a learned reward beside them, scored on its own engine (serving/rewards.py)
+    "reward-model": ["server.mode=managed", "rollout.mode=sync",
+                     "rewards.preference={kind: model, model: tiny-rm, score: probability, weight: 1.0}"],
 }
 SIZES = {  # name -> overrides on a tiny-model recipe ("tiny": the recipe as it is)
     "tiny": [],
@@ -407,7 +413,10 @@ def _recipe(base, size: str, path: str, steps: int, warmup: int, extra: list[str
     common = [f"trainer.max_steps={steps + warmup}", "trainer.logging_steps=1", "trainer.save_strategy=no",
               "trainer.log_completions=false", "trainer.vllm_importance_sampling_correction=true",
               "monitor.canary_every=0", "monitor.drift_every=0"]  # no probe pass inside a timed step
-    recipe = load(base, SIZES[size] + common + PATHS[path] + extra)
+    own = PATHS[path]
+    if path == "reward-model" and size != "tiny":  # the tiny size's reward model: its scoring cost beside a bigger policy
+        own = [o.replace("model: tiny-rm", f"model: {tiny_reward_model_dir(load(base))}") for o in own]
+    recipe = load(base, SIZES[size] + common + own + extra)
     needed = recipe.data.max_prompt_length + recipe.max_completion_length
     if recipe.server.max_model_len < needed:
         recipe = load(recipe, [f"server.max_model_len={needed}"])
@@ -420,6 +429,7 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
     """Every size × path, one after the other (never two at once: they would share cores), `repeats` times taking
     turns. `recipe` is a loaded Recipe; `overrides` apply to every path last (e.g. monitor.canary_every=1);
     `run_dir`: write there (a notebook's run) instead of a new `<time>-<recipe>-bench` directory."""
+    from workbench.serving.rewards import RewardEngines  # lazy: requests
     from workbench.serving.server import VLLMServer  # lazy: requests
     from workbench.training.train import run_trainer  # lazy: torch
 
@@ -439,6 +449,10 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
         raise WorkbenchError(f"--steps {steps} --warmup {warmup}", "measure 1 or more steps after 0 or more warm-up steps")
     if repeats < 1:
         raise WorkbenchError(f"--repeats {repeats}", "train each path 1 or more times (3 for a ratio's spread)")
+    if "reward-model" in paths:  # built (or reused) before the recipes that name it are checked
+        from workbench.training import rewardmodel
+
+        rewardmodel.ensure(resolve(load(recipe, SIZES["tiny"])), log=log)
     # every recipe is checked before anything starts
     plans = {(s, p): _recipe(recipe, s, p, steps, warmup, overrides) for s in sizes for p in paths}
     first = next(iter(plans.values()))
@@ -500,8 +514,10 @@ def run(recipe, steps: int = 4, warmup: int = 1, sizes: list[str] | None = None,
                 for k, path in ((k, p) for k in range(repeats) for p in served):
                     train_dir = run_dir.bench_training(size, path, k).make()
                     log(f"bench: {size} {path}: {steps + warmup} steps{again(k)}")
-                    train(train_dir, plans[(size, path)], train_dir, model_path, srv.pid, srv.url,
-                          restart=srv.restart)
+                    with RewardEngines(plans[(size, path)], logs, log=log) as engines:  # none but reward-model's
+                        train(train_dir, plans[(size, path)], train_dir, model_path, srv.pid, srv.url,
+                              restart=srv.restart,
+                              reward_restart={name: engines.restarter(name) for name in engines.servers})
                     bench.results.append(summarise(size, path, train_dir, warmup, k))
                 bench.saturation[size] = saturation(rr, srv.url, concurrencies or [1, 2, 4])
                 log(f"bench: {size} server saturated at {bench.saturation[size]['best']:.0f} tokens/s")

@@ -11,6 +11,9 @@ on them, and see whether they would teach what you want.
                          # and with length
     lab.warnings         # the classic hacks, each as one line: what was seen and why it matters
     lab.figure(path)     # each reward's score distribution, split by correct / wrong
+    lab = rewardlab.score(samples, {"preference": {"kind": "model", "model": "tiny-rm", "score": "probability"}},
+                          rr.recipe, rr=rr)   # a reward model or judge: its engine started for the scoring
+    lab.disagreements("preference")           # where it and the rule disagree most: read those completions
 
 Rewards are given as a recipe's `rewards:` section is (workbench/tasks/rewardspec.py: registry names or
 module:function with args), checked and called as TRL calls them. Correctness comes from the built-in reward with
@@ -21,6 +24,7 @@ gives almost no group a spread (no learning signal), one that is constant.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +113,16 @@ class Lab:
                         "corr_correct": _corr(values, df["correct"]), "corr_length": _corr(values, df["length"])})
         return pd.DataFrame(out).set_index("reward")
 
+    def disagreements(self, reward: str, against: str = "correct", n: int = 10) -> pd.DataFrame:
+        """The completions on which `reward` and `against` (the rule's correctness by default, or another reward)
+        disagree most: each turned into its rank among the completions (0..1), the largest gaps first."""
+        df = self.scores.dropna(subset=[reward, against])
+        if df.empty:
+            return df
+        gap = (df[reward].rank(pct=True) - df[against].rank(pct=True)).abs()
+        out = df.assign(rank_gap=gap).sort_values("rank_gap", ascending=False).head(n)
+        return out[["prompt", "completion", reward, against, "rank_gap"]]
+
     def by_step(self) -> pd.DataFrame:
         """Each reward's mean (and correctness) per training step: what a run would have seen rise or not."""
         return self.scores.groupby("step")[[*self.rewards, "correct"]].mean()
@@ -154,12 +168,37 @@ class Lab:
         return fig
 
 
-def score(samples: pd.DataFrame, rewards: dict, recipe=None) -> Lab:
+def score(samples: pd.DataFrame, rewards: dict, recipe=None, rr=None, log=print) -> Lab:
     """Score `samples` (from_run / sample) with the rewards (a recipe's `rewards:` mapping); `recipe` supplies the
-    gold answers (its training rows, matched by prompt) when the samples lack an `answer` column."""
+    gold answers (its training rows, matched by prompt) when the samples lack an `answer` column. A reward model or
+    judge (kind model / judge) is scored on its engine, started here for the scoring from `rr` (the resolved recipe:
+    the server's devices, sizes and platform) and stopped after it."""
     if samples.empty:
         raise WorkbenchError("no completions to score", "record some (a training run) or sample some first")
     specs = rewardspec.specs(rewards)  # the same checks as a recipe load: one clear error per bad spec
+    learned = [s for s in specs if s.is_learned]
+    if learned and rr is None:
+        raise WorkbenchError(f"rewards.{learned[0].name} is a {learned[0].kind}, scored on an engine, and no resolved "
+                             "recipe was given to start it from", "pass rr=recipe.resolve(...) to rewardlab.score")
+    judge = next((s for s in learned if s.learned.on_policy_server), None)
+    if judge is not None:
+        raise WorkbenchError(f"rewards.{judge.name}: a policy-base judge is the policy server's base model, which the "
+                             "lab does not start", "score it in a training (its per-step column), or give the judge a "
+                             "model of its own for the lab")
+    with contextlib.ExitStack() as stack:
+        scorers = {}
+        if learned:
+            import dataclasses
+
+            from workbench.serving.rewards import RewardEngines, Scorer
+
+            lab_rr = dataclasses.replace(rr, recipe=dataclasses.replace(rr.recipe, rewards=dict(rewards)))
+            stack.enter_context(RewardEngines(lab_rr, log=log))
+            scorers = {s.name: Scorer(lab_rr, s) for s in learned}
+        return _score(samples, specs, recipe, scorers)
+
+
+def _score(samples: pd.DataFrame, specs, recipe, scorers: dict) -> Lab:
     df = samples.copy()
     if "answer" not in df.columns:
         df["answer"] = df["prompt"].map(_gold_lookup(recipe)) if recipe is not None else None
@@ -169,8 +208,9 @@ def score(samples: pd.DataFrame, rewards: dict, recipe=None) -> Lab:
 
     df["correct"] = pd.Series(builtin.correctness(prompts, completions, answer=answers), index=df.index, dtype=float)
     for spec in specs:
-        values = spec.callable()(prompts, completions, answer=answers, completion_ids=[[]] * len(df),
-                                 trainer_state=None, log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
+        fn = scorers[spec.name] if spec.is_learned else spec.callable()
+        values = fn(prompts, completions, answer=answers, completion_ids=[[]] * len(df),
+                    trainer_state=None, log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
         if not isinstance(values, (list, tuple)) or len(values) != len(df):
             raise WorkbenchError(f"rewards.{spec.name} returned {type(values).__name__} for {len(df)} completions",
                                  "return one score (or None) per completion")

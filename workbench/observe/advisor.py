@@ -38,6 +38,8 @@ REWARD_GAIN = 0.01               # the reward's last third over its first third 
 RSS_GROWTH = 0.10                # a role's resident memory, end vs start of the run
 FAR_FROM_CEILING = 0.25          # gauge/generation below this: the server decodes far under its cores' ceiling
 RSS_GROWTH_MIN_MB = 200.0
+LEARNED_RISE_SD = 0.5            # a learned reward's last third over its first, in its own standard deviations
+VERIFIED_REWARDS = ("correctness",)  # rule rewards that verify the answer (format only checks its shape)
 
 
 @dataclass
@@ -267,6 +269,46 @@ def reward_unstable(records) -> Finding | None:
     return None
 
 
+def _learned_rewards(records) -> list[str]:
+    rewards = (records.recipe or {}).get("rewards") or {}
+    return [name for name, value in rewards.items()
+            if isinstance(value, dict) and value.get("kind") in ("model", "judge")]
+
+
+def reward_hacking(records) -> Finding | None:
+    """A learned reward (a reward model or a judge) that rises while the verified accuracy does not: the policy is
+    learning to please the scorer, not to get answers right."""
+    learned = _learned_rewards(records)
+    if not learned:
+        return None
+    verified = next((f"rewards/{n}/mean" for n in VERIFIED_REWARDS
+                     if len(_series(records.metrics, f"rewards/{n}/mean")) >= 6), None)
+    if verified is None:
+        return Finding("reward_unverified", "info", "A learned reward trains without a verified one beside it",
+                       f"rewards {', '.join(learned)} are learned, and no rule reward "
+                       f"({', '.join(VERIFIED_REWARDS)}) is logged", "add `correctness: 0.0` to the rewards: it is "
+                       "scored and logged (rewards/correctness/mean) without training on it, so reward hacking shows")
+    right_first, right_last = _thirds(_series(records.metrics, verified))
+    for name in learned:
+        values = _series(records.metrics, f"rewards/{name}/mean")
+        if len(values) < 6:
+            continue
+        first, last = _thirds(values)
+        spread = statistics.pstdev(values) or 1e-9
+        rise = (statistics.fmean(last) - statistics.fmean(first)) / spread
+        right = statistics.fmean(right_last) - statistics.fmean(right_first)
+        if rise > LEARNED_RISE_SD and right <= REWARD_GAIN:
+            return Finding(
+                "reward_hacking", "warning", f"Reward hacking: {name} rises, the verified accuracy does not",
+                f"rewards/{name}/mean {statistics.fmean(first):.3g} -> {statistics.fmean(last):.3g} (first vs last "
+                f"third, {rise:.1f} of its standard deviations), {verified} {statistics.fmean(right_first):.3g} -> "
+                f"{statistics.fmean(right_last):.3g}",
+                f"the policy pleases {name} without getting more answers right: give the verified rule weight "
+                f"(rewards.correctness), lower rewards.{name}.weight, or retrain the reward model on this policy's "
+                "completions; read the completions its score likes most (workbench report)")
+    return None
+
+
 def policy_drift(records) -> Finding | None:
     """The policy's KL from its starting weights (drift/kl_start, logged whatever beta is) against the reward: far
     from the start with no reward gain is a policy changing without learning; no movement at all, updates too small
@@ -441,7 +483,7 @@ def far_from_limits(records) -> Finding | None:
 
 RULES: dict[str, Callable] = {fn.__name__: fn for fn in
                               (idle_server, low_concurrency, long_tail, kl_spikes, no_signal, reward_unstable,
-                               policy_drift, sync_share, weight_drift, sampler_drift, server_faults, memory_growth,
+                               reward_hacking, policy_drift, sync_share, weight_drift, sampler_drift, server_faults, memory_growth,
                                far_from_limits)}
 
 
