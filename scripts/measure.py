@@ -77,6 +77,14 @@ VARIANT = ("dynamic", ["rollout.dynamic_sampling=true", "trainer.max_steps=180"]
 # seeds (the same trainings under fixed seeds), compared only on the same code and machine, as the variants are.
 LORA = ("lora", ["peft.r=16", "peft.lora_alpha=32", "peft.target_modules=all-linear", "trainer.learning_rate=5e-4"])
 LORA_DATA_SEEDS = "0"
+# A learned reward against the correctness rule (docs/rewards.md): the demo's recipe trained on the tiny reward
+# model (tiny-rm, scored by its own vLLM pooling engine beside the server) in place of the rule, which stays logged at
+# weight 0 (the verified accuracy). One base model (data seed 0, the base tiny-rm is built on) with the protocol's
+# training seeds; its rule arm is the protocol's trainings of that base and those seeds, as for LoRA.
+REWARD_MODEL = ("reward model", ["rewards.correctness=0.0",
+                                 "rewards.preference={kind: model, model: tiny-rm, score: probability, weight: 1.0}"])
+REWARDS_DATA_SEEDS = "0"
+RM_COMMAND = ["reward-model", "--recipe", "cpu-tiny-rm", "--force"]
 # The recipe's learning rate, chosen on the validation split against these candidates over the protocol's bases
 # (training seed 0), then the chosen setting trained with seed 1 on test: `workbench protocol`'s own choice. Under
 # fixed seeds, the recipe's seed-1 test trainings repeat the protocol measurement's (results page: the check).
@@ -96,9 +104,12 @@ MEASURED = {
     "choice": ["workbench", "pyproject.toml"],
     "reload": ["workbench", "pyproject.toml", "scripts/reload_parts.py"],
     "suite": ["workbench", "tests", "pyproject.toml", "Makefile"],
+    "reward-model": ["workbench", "pyproject.toml"],
+    "rewards": ["workbench", "pyproject.toml"],
 }
 QUICK = ["demo", "bench"]
-FULL = ["demo", "bench", "bench-100m", "reload", "protocol", "variants", "lora", "choice", "suite"]
+FULL = ["demo", "bench", "bench-100m", "reload", "protocol", "variants", "lora", "choice", "reward-model", "rewards",
+        "suite"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -376,6 +387,8 @@ PROTOCOL_ARGS = [*_OVER_BASES, "--seeds", PROTOCOL_SEEDS]
 VARIANTS_ARGS = [*PROTOCOL_ARGS, *VARIANT[1]]
 LORA_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", LORA_DATA_SEEDS, "--seeds",
              PROTOCOL_SEEDS, *LORA[1]]
+REWARDS_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", REWARDS_DATA_SEEDS, "--seeds",
+                PROTOCOL_SEEDS, *REWARD_MODEL[1]]
 # vLLM's server closes a keep-alive connection left idle 5 s by default (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a request sent
 # on one as it closed came back "connection reset by peer" and ended a training of this measurement at its step 80
 # (2026-12-04). Servers now keep idle connections for server.keep_alive_s and the client re-sends such requests
@@ -439,6 +452,8 @@ ARMED = {
     "variants": Armed(VARIANTS_ARGS, over_bases(PROTOCOL_DATA_SEEDS, PROTOCOL_SEEDS, VARIANT[1], VARIANTS_ENV),
                       VARIANTS_ENV, VARIANT[0], VARIANT[1]),
     "lora": Armed(LORA_ARGS, over_bases(LORA_DATA_SEEDS, PROTOCOL_SEEDS, LORA[1]), {}, LORA[0], LORA[1]),
+    "rewards": Armed(REWARDS_ARGS, over_bases(REWARDS_DATA_SEEDS, PROTOCOL_SEEDS, REWARD_MODEL[1]), {},
+                     REWARD_MODEL[0], REWARD_MODEL[1]),
 }
 
 
@@ -688,8 +703,20 @@ def measure_suite(root: Path) -> tuple[str, float, dict]:
 
 
 # the measurements run whole (ARMED: those run in arms)
+def measure_reward_model(root: Path) -> tuple[str, float, dict]:
+    """The tiny reward model built afresh (`workbench reward-model --force`): its held-out agreement with the rule."""
+    from workbench import recipe
+    from workbench.recipe.resolve import tiny_reward_model_dir
+
+    seconds = workbench(RM_COMMAND, root / "reward-model.log")
+    info = json.loads((tiny_reward_model_dir(recipe.load("cpu-tiny-rm")) / "reward-model.json").read_text())
+    figures = {k: info[k] for k in ("settings", "train", "heldout", "build_seconds", "sample_seconds", "architecture")}
+    return command_line(RM_COMMAND), seconds, figures
+
+
 MEASURES = {"demo": measure_demo, "bench": measure_bench, "bench-100m": measure_bench_100m,
-            "choice": measure_choice, "reload": measure_reload, "suite": measure_suite}
+            "choice": measure_choice, "reload": measure_reload, "reward-model": measure_reward_model,
+            "suite": measure_suite}
 
 
 def suite_figures(junit: Path) -> dict:
@@ -929,6 +956,27 @@ def results_page(results: dict[str, dict]) -> str:
         out += trainings_table([("", t) for t in f.get("gains") or []])
     else:
         out += ["Not measured on this code: `MEASURE=--full make measure` runs it (hours on two cores).", ""]
+    rm = results.get("reward-model")
+    out += ["## The tiny reward model", ""]
+    if rm:
+        f = rm["figures"]
+        held, train, st = f["heldout"], f["train"], f["settings"]
+        out += head("", rm)[2:]
+        out += [f"A one-label classification head ({f['architecture']}) on the cpu-tiny base, trained on the base's own "
+                f"completions ({st['samples']} per prompt at temperature {st['temperature']:g}) of "
+                f"{st['train_prompts']} training prompts, each labelled by the correctness rule; scored on "
+                f"{st['heldout_prompts']} validation prompts' completions, none of whose prompts it trained on. "
+                f"Agreement with the rule (a completion counts as judged right when its logit is above 0):", "",
+                "| completions | how many | right by the rule | accuracy | AUC |", "|---|---|---|---|---|",
+                f"| trained on | {train['completions']} | {pct(train['positive_share'])} | {pct(train['accuracy'])} | "
+                f"{train['auc']:.3f} |",
+                f"| **held out** | {held['completions']} | {pct(held['positive_share'])} | **{pct(held['accuracy'])}** "
+                f"| **{held['auc']:.3f}** |", "",
+                f"Always saying \"wrong\" would score {pct(1 - held['positive_share'])} on the held-out completions: the "
+                f"AUC is the figure to read. Build: {f['build_seconds']:.0f} s ({f['sample_seconds']:.0f} s of it "
+                "sampling), in one thread under the tiny model's pinned kernels.", ""]
+    else:
+        out += ["Not measured yet: `python scripts/measure.py --only reward-model` (a few minutes on two cores).", ""]
     for name, (what, title) in HEAD_TO_HEAD.items():
         out += head_to_head_section(results, name, what, title, head)
     choice = results.get("choice")
@@ -1061,7 +1109,8 @@ def repeats(choice: dict, protocol: dict | None) -> str | None:
 # The head-to-head measurements: each measures one setting over some of the protocol's (base, seed) pairs; the
 # protocol's trainings of the same pairs are its plain arm. Name -> (what the arm is called in prose, section title).
 HEAD_TO_HEAD = {"variants": ("dynamic sampling", "The recipe against dynamic sampling"),
-                "lora": ("LoRA", "LoRA against full fine-tuning")}
+                "lora": ("LoRA", "LoRA against full fine-tuning"),
+                "rewards": ("the reward model", "A learned reward against the correctness rule")}
 
 
 def head_to_head(results: dict[str, dict], name: str = "variants") -> tuple[list[dict], str | None]:

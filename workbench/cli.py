@@ -104,6 +104,14 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reward_model(args: argparse.Namespace) -> int:
+    from workbench.training import rewardmodel  # lazy: transformers (in the build's own process)
+
+    rr = _resolved(args, server=False)
+    print(rewardmodel.ensure(rr, force=args.force))
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from workbench import tinymodel  # lazy: yaml
 
@@ -407,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="build on this machine even when a cached or shipped model matches (a shipped one is "
                         "rebuilt into <key>-rebuilt/ and compared; the recipe keeps the shipped one)")
+    p = add("reward-model", "build (or reuse) the tiny reward model (tiny-rm) and print its held-out agreement",
+            "workbench.training.rewardmodel", cmd_reward_model)
+    p.add_argument("--force", action="store_true", help="build it again even when one is cached")
     p = add("run", "run the staged notebooks with papermill: env, offline, serving, smoke, train, eval",
             "workbench.pipeline", cmd_run, recipe=None)  # None: --resume must see whether one was given
     p.add_argument("--stages", help="comma-separated subset of env,offline,serving,smoke,train,eval (default: all)")
