@@ -77,13 +77,12 @@ VARIANT = ("dynamic", ["rollout.dynamic_sampling=true", "trainer.max_steps=180"]
 # seeds (the same trainings under fixed seeds), compared only on the same code and machine, as the variants are.
 LORA = ("lora", ["peft.r=16", "peft.lora_alpha=32", "peft.target_modules=all-linear", "trainer.learning_rate=5e-4"])
 LORA_DATA_SEEDS = "0"
-# A learned reward against the correctness rule (docs/rewards.md): the demo's recipe trained on the tiny reward
-# model (tiny-rm, scored by its own vLLM pooling engine beside the server) in place of the rule, which stays logged at
-# weight 0 (the verified accuracy). One base model (data seed 0, the base tiny-rm is built on) with the protocol's
-# training seeds; its rule arm is the protocol's trainings of that base and those seeds, as for LoRA.
-REWARD_MODEL = ("reward model", ["rewards.correctness=0.0",
-                                 "rewards.preference={kind: model, model: tiny-rm, score: probability, weight: 1.0}"])
-REWARDS_DATA_SEEDS = "0"
+# A learned reward against the correctness rule (docs/rewards.md): cpu-tiny-rm (trained on the tiny reward model,
+# scored by its own vLLM pooling engine beside the server; the rule logged at weight 0) against the same recipe
+# trained on the rule (the reward model scored and logged at weight 0), one base model (data seed 0, the base tiny-rm
+# is built on) x the protocol's training seeds, both arms in one protocol: paired by seed, on one code and machine.
+REWARDS_COMMAND = ["protocol", "--recipe", "cpu-tiny-rm", "--report-all", "--seeds", PROTOCOL_SEEDS,
+                   "--candidate", "rule: rewards.correctness=1.0 rewards.preference.weight=0.0"]
 RM_COMMAND = ["reward-model", "--recipe", "cpu-tiny-rm", "--force"]
 # The recipe's learning rate, chosen on the validation split against these candidates over the protocol's bases
 # (training seed 0), then the chosen setting trained with seed 1 on test: `workbench protocol`'s own choice. Under
@@ -387,8 +386,7 @@ PROTOCOL_ARGS = [*_OVER_BASES, "--seeds", PROTOCOL_SEEDS]
 VARIANTS_ARGS = [*PROTOCOL_ARGS, *VARIANT[1]]
 LORA_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", LORA_DATA_SEEDS, "--seeds",
              PROTOCOL_SEEDS, *LORA[1]]
-REWARDS_ARGS = ["protocol", "--recipe", DEMO_RECIPE, "--report-all", "--data-seeds", REWARDS_DATA_SEEDS, "--seeds",
-                PROTOCOL_SEEDS, *REWARD_MODEL[1]]
+
 # vLLM's server closes a keep-alive connection left idle 5 s by default (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a request sent
 # on one as it closed came back "connection reset by peer" and ended a training of this measurement at its step 80
 # (2026-12-04). Servers now keep idle connections for server.keep_alive_s and the client re-sends such requests
@@ -452,8 +450,6 @@ ARMED = {
     "variants": Armed(VARIANTS_ARGS, over_bases(PROTOCOL_DATA_SEEDS, PROTOCOL_SEEDS, VARIANT[1], VARIANTS_ENV),
                       VARIANTS_ENV, VARIANT[0], VARIANT[1]),
     "lora": Armed(LORA_ARGS, over_bases(LORA_DATA_SEEDS, PROTOCOL_SEEDS, LORA[1]), {}, LORA[0], LORA[1]),
-    "rewards": Armed(REWARDS_ARGS, over_bases(REWARDS_DATA_SEEDS, PROTOCOL_SEEDS, REWARD_MODEL[1]), {},
-                     REWARD_MODEL[0], REWARD_MODEL[1]),
 }
 
 
@@ -714,8 +710,51 @@ def measure_reward_model(root: Path) -> tuple[str, float, dict]:
     return command_line(RM_COMMAND), seconds, figures
 
 
+def measure_rewards(root: Path) -> tuple[str, float, dict]:
+    """cpu-tiny-rm's learned reward against the rule, both arms in one protocol (REWARDS_COMMAND)."""
+    seconds = workbench([*REWARDS_COMMAND, f"monitor.runs_dir={root / 'rewards'}"], root / "rewards.log")
+    return command_line(REWARDS_COMMAND), seconds, rewards_figures(only_dir(root / "rewards", "*-protocol"))
+
+
+def learned_training(run: Path) -> dict:
+    """What a training with a learned reward recorded beside its test gain: the reward's share of the step time, its
+    requests, failures and engine restarts, the learned reward and the verified accuracy (the correctness rule) in
+    the first and last fifth of the steps, and whether the advisor named reward hacking."""
+    from workbench.observe import advisor, rundata
+
+    train = run / "train"
+    rows = [r for r in read_jsonl(train / "metrics.jsonl") if "loss" in r]
+    learned = json.loads((train / "train.json").read_text()).get("learned_rewards", {}).get("preference", {})
+    fifth = max(1, len(rows) // 5)
+
+    def ends(key: str) -> list:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return [mean(values[:fifth]), mean(values[-fifth:])]
+
+    share = mean([r["time/reward"] / r["time/step"] for r in rows if r.get("time/step")])
+    findings = {f.rule for f in advisor.advise(rundata.load(run))}
+    return {"reward_share": share, "requests": learned.get("requests"), "failed": learned.get("failed"),
+            "restarts": learned.get("restarts"), "learned_reward": ends("rewards/preference/mean"),
+            "verified": ends("rewards/correctness/mean"), "reward_hacking": "reward_hacking" in findings}
+
+
+def rewards_figures(path: Path) -> dict:
+    """Both arms of the rewards protocol (variants_figures), each training with learned_training's figures, and
+    the reward model's gain minus the rule's, paired by seed (paired)."""
+    result = load_protocol(path)
+    arms = variants_figures(path)["arms"]
+    for arm in arms:
+        runs = [o for o in result.test if o.candidate == arm["name"]]
+        for training, o in zip(arm["gains"], runs):
+            training.update(learned_training(Path(o.run)))
+    model = next(a for a in arms if a["name"] == "recipe")
+    rule = next(a for a in arms if a["name"] == "rule")
+    return {"arms": arms, "paired": paired(rule, model)}
+
+
 MEASURES = {"demo": measure_demo, "bench": measure_bench, "bench-100m": measure_bench_100m,
             "choice": measure_choice, "reload": measure_reload, "reward-model": measure_reward_model,
+            "rewards": measure_rewards,
             "suite": measure_suite}
 
 
@@ -977,6 +1016,7 @@ def results_page(results: dict[str, dict]) -> str:
                 "sampling), in one thread under the tiny model's pinned kernels.", ""]
     else:
         out += ["Not measured yet: `python scripts/measure.py --only reward-model` (a few minutes on two cores).", ""]
+    out += rewards_section(results.get("rewards"), head)
     for name, (what, title) in HEAD_TO_HEAD.items():
         out += head_to_head_section(results, name, what, title, head)
     choice = results.get("choice")
@@ -1022,6 +1062,39 @@ def results_page(results: dict[str, dict]) -> str:
     else:
         out += ["Not recorded yet: `python scripts/measure.py --suite JUNIT.xml` after `make test`.", ""]
     return "\n".join(out)
+
+
+def rewards_section(r: dict | None, head) -> list[str]:
+    """The results page's section for the learned reward against the rule (measure_rewards)."""
+    out = ["## A learned reward against the correctness rule", ""]
+    if not r:
+        return out + ["Not measured yet: `python scripts/measure.py --only rewards` (about an hour on two cores; "
+                      "`workbench protocol --resume` continues an interrupted one).", ""]
+    out += head("", r)[2:]
+    out += ["cpu-tiny-rm trains on the tiny reward model (weight 1, its probability) with the correctness rule "
+            "scored and logged at weight 0; the rule arm is the same recipe trained on the rule (weight 1) with the "
+            "reward model scored and logged at weight 0. Both on one base model, each seed in both arms, scored on "
+            "the test split by the rule. The learned reward and the verified accuracy (the rule on the training "
+            "completions) are the means of the first and last fifth of the steps.", "",
+            "| arm | seed | test: base → trained | gain | learned reward (first → last fifth) | verified accuracy "
+            "(first → last fifth) | reward share of the step | requests failed | advisor |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    names = {"recipe": "reward model", "rule": "rule"}
+    for arm in r["figures"]["arms"]:
+        for t in arm["gains"]:
+            lr, v = t["learned_reward"], t["verified"]
+            out.append(f"| {names.get(arm['name'], arm['name'])} | {t['seed']} | {pct(t['base'])} → {pct(t['trained'])}"
+                       f" | {t['gain']:+.1f} | {lr[0]:.2f} → {lr[1]:.2f} | {pct(v[0])} → {pct(v[1])} | "
+                       f"{pct(t['reward_share'])} | {t['failed']} of {t['requests']} | "
+                       f"{'reward hacking' if t['reward_hacking'] else '—'} |")
+    out.append("")
+    for arm in r["figures"]["arms"]:
+        out.append(f"- {names.get(arm['name'], arm['name'])}: {arm['headline']}")
+    p = r["figures"].get("paired")
+    if p:
+        out += ["", f"{paired_text('the reward model', p).replace('minus the recipe', 'minus the rule').replace('than the recipe', 'than the rule').replace('and the recipe', 'and the rule')}. "
+                "One base model and three seeds: a first reading, not a general finding."]
+    return out + [""]
 
 
 def head_to_head_section(results: dict[str, dict], name: str, what: str, title: str,
@@ -1109,8 +1182,7 @@ def repeats(choice: dict, protocol: dict | None) -> str | None:
 # The head-to-head measurements: each measures one setting over some of the protocol's (base, seed) pairs; the
 # protocol's trainings of the same pairs are its plain arm. Name -> (what the arm is called in prose, section title).
 HEAD_TO_HEAD = {"variants": ("dynamic sampling", "The recipe against dynamic sampling"),
-                "lora": ("LoRA", "LoRA against full fine-tuning"),
-                "rewards": ("the reward model", "A learned reward against the correctness rule")}
+                "lora": ("LoRA", "LoRA against full fine-tuning")}
 
 
 def head_to_head(results: dict[str, dict], name: str = "variants") -> tuple[list[dict], str | None]:
@@ -1279,7 +1351,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="per measurement: fresh, or stale with the first later commit that changed its code")
     what.add_argument("--suite", metavar="JUNIT", type=Path, help="record the suite's timing from this JUnit XML")
     what.add_argument("--render", action="store_true", help="only render docs/results.md and the README block")
-    parser.add_argument("--commit", help="with --suite: the commit the suite ran on (default: HEAD)")
+    what.add_argument("--rewards-from", metavar="RUN", type=Path,
+                      help="record the rewards measurement from this finished protocol directory (REWARDS_COMMAND "
+                           "run by hand, e.g. resumed over sessions); --commit names the commit it ran on")
+    parser.add_argument("--commit", help="with --suite or --rewards-from: the commit it ran on (default: HEAD)")
     parser.add_argument("--command", default="make test", help="with --suite: how the suite was run")
     parser.add_argument("--allow-dirty", action="store_true",
                         help="measure a tree with uncommitted changes (recorded as not clean; the test refuses it)")
@@ -1290,6 +1365,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.status:
         print("\n".join(status_lines()))
+        return 0
+    if args.rewards_from:
+        commit = git("rev-parse", args.commit or "HEAD")
+        seconds = float(json.loads((args.rewards_from / "protocol" / "protocol.json").read_text())["seconds"])
+        record("rewards", command_line(REWARDS_COMMAND), seconds, rewards_figures(args.rewards_from),
+               where("rewards", commit), True)
+        render()
         return 0
     if args.suite:
         commit = git("rev-parse", args.commit or "HEAD")  # a short or symbolic name, recorded in full
