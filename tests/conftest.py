@@ -47,6 +47,7 @@ FIXTURE_BUDGETS = {
     "dynamic_run": 300,        # tests/test_dynamic.py: 4 async steps attached to tiny_server
     "tiny_rm_dir": 300,        # tests/test_learned_rewards.py: the tiny reward model's build, about 90 s here
     "learned_run": 900,        # tests/test_learned_rewards.py: policy + reward engine, its restart, 4 LoRA steps
+    "outcomes": 120,           # tests/test_bad_input.py: every bad input through the CLI in one process, ~100 s here
 }
 # Fixtures that start a vLLM server or engine, or train: a test using one is `heavy` (make test-fast skips it).
 HEAVY_FIXTURES = {"lora_pair", "dynamic_run", "tiny_rm_dir", "learned_run",

@@ -55,8 +55,8 @@ def test_recipe_list(workbench_cmd):
     out = run(workbench_cmd, "recipe", "list")
     assert out.returncode == 0
     names = [line.split()[0] for line in out.stdout.strip().splitlines()]
-    assert names == ["ascend-910b-2node", "ascend-910b-8card", "cpu-tiny", "cpu-tiny-async", "cuda-1gpu", "cuda-2gpu",
-                     "cuda-8gpu", "smoke"]
+    assert names == ["ascend-910b-2node", "ascend-910b-8card", "ascend-910b-8card-rm", "cpu-tiny", "cpu-tiny-async",
+                     "cpu-tiny-rm", "cuda-1gpu", "cuda-2gpu", "cuda-2gpu-rm", "cuda-8gpu", "smoke"]
 
 
 @pytest.mark.parametrize("args,pattern", [

@@ -111,7 +111,8 @@ def test_trainer_keys_are_read_from_trl_source_without_importing_it():
 
 
 def test_missing_recipe_lists_available():
-    with pytest.raises(WorkbenchError, match="'nope' does not exist.*ascend-910b-8card, cpu-tiny, cpu-tiny-async, cuda-1gpu, cuda-2gpu, cuda-8gpu, smoke"):
+    with pytest.raises(WorkbenchError, match="'nope' does not exist.*ascend-910b-8card, ascend-910b-8card-rm, cpu-tiny, cpu-tiny-async, cpu-tiny-rm, "
+                       "cuda-1gpu, cuda-2gpu, cuda-2gpu-rm, cuda-8gpu, smoke"):
         recipe.load("nope")
 
 
