@@ -116,3 +116,4 @@ def test_reward_lab_notebook_scores_a_runs_completions(in_project, tmp_path):
     assert any(w.startswith("wordy: follows completion length") for w in saved["warnings"])
     markdown = text_of(outputs_of(out), "text/markdown")
     assert "| wordy |" in markdown and "**warning** wordy" in markdown
+    assert "**wordy** against correctness" in markdown  # where each reward and the rule disagree most
