@@ -103,7 +103,7 @@ MEASURED = {
     "choice": ["workbench", "pyproject.toml"],
     "reload": ["workbench", "pyproject.toml", "scripts/reload_parts.py"],
     "suite": ["workbench", "tests", "pyproject.toml", "Makefile"],
-    "reward-model": ["workbench", "pyproject.toml"],
+    "reward-model": ["workbench", "pyproject.toml", "scripts/judge_agreement.py"],
     "rewards": ["workbench", "pyproject.toml"],
 }
 QUICK = ["demo", "bench"]
@@ -707,7 +707,16 @@ def measure_reward_model(root: Path) -> tuple[str, float, dict]:
     seconds = workbench(RM_COMMAND, root / "reward-model.log")
     info = json.loads((tiny_reward_model_dir(recipe.load("cpu-tiny-rm")) / "reward-model.json").read_text())
     figures = {k: info[k] for k in ("settings", "train", "heldout", "build_seconds", "sample_seconds", "architecture")}
-    return command_line(RM_COMMAND), seconds, figures
+    judge = root / "judge.json"  # the frozen base as a judge on the same held-out completions
+    started = time.time()
+    with open(root / "judge.log", "w") as log:
+        done = subprocess.run([sys.executable, "scripts/judge_agreement.py", "--json", str(judge)], cwd=REPO,
+                              stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"measure: scripts/judge_agreement.py failed ({done.returncode}): {root / 'judge.log'}")
+    figures["judge"] = json.loads(judge.read_text())
+    return (command_line(RM_COMMAND) + " && python scripts/judge_agreement.py", seconds + time.time() - started,
+            figures)
 
 
 def measure_rewards(root: Path) -> tuple[str, float, dict]:
@@ -1014,6 +1023,16 @@ def results_page(results: dict[str, dict]) -> str:
                 f"Always saying \"wrong\" would score {pct(1 - held['positive_share'])} on the held-out completions: the "
                 f"AUC is the figure to read. Build: {f['build_seconds']:.0f} s ({f['sample_seconds']:.0f} s of it "
                 "sampling), in one thread under the tiny model's pinned kernels.", ""]
+        j = f.get("judge")
+        if j:
+            auc_text = f"{j['auc']:.3f}" if j.get("auc") is not None else "—"
+            out += [f"A judge on the same {j['completions']} held-out completions: the frozen tiny base on a LoRA "
+                    f"server (`model: policy-base`), asked with a fixed grading prompt, its first number read on a "
+                    f"0–10 scale (scripts/judge_agreement.py). Its answer parsed to a score for {j['parsed']} of "
+                    f"them ({pct(j['parsed'] / j['completions'])}); over those, accuracy {pct(j['accuracy'])} and "
+                    f"AUC {auc_text} against the rule; {1000 * j['seconds_per_completion']:.1f} ms per completion "
+                    f"at {j['concurrency']} requests in flight. The tiny base was never taught to grade: this is "
+                    "what it does, not a good judge.", ""]
     else:
         out += ["Not measured yet: `python scripts/measure.py --only reward-model` (a few minutes on two cores).", ""]
     out += rewards_section(results.get("rewards"), head)

@@ -10,7 +10,8 @@ Completions are sampled from the tiny base at the training temperature (transfor
 training split's prompts, and for the validation split's prompts as the held-out set: no prompt is in both. Each
 is labelled 1/0 by the `correctness` rule. The head (`AutoModelForSequenceClassification`, one label) reads the
 prompt and completion through the tokenizer's chat template, as vLLM's `/pooling` renders chat messages, and is
-trained on the logit with a binary cross-entropy. reward-model.json records its held-out accuracy (logit > 0) and
+trained on the logit with a binary cross-entropy. heldout.jsonl keeps the held-out completions and labels (a judge
+is scored on the same ones: scripts/judge_agreement.py). reward-model.json records its held-out accuracy (logit > 0) and
 AUC against the rule, the label balance, the sizes and the build time: the agreement is what it is, not tuned
 to look good. The build runs in a child process under the tiny model's PINNED_ENV and is written to a
 `.partial` directory first, renamed when whole.
@@ -33,6 +34,7 @@ from workbench.rundir import write_atomic
 from workbench.tasks.rewards import correctness
 
 INFO = "reward-model.json"
+HELDOUT = "heldout.jsonl"  # the held-out completions with their rule labels
 SETTINGS = {"train_prompts": 512, "heldout_prompts": 256, "samples": 4, "epochs": 3, "batch_size": 32,
             "learning_rate": 1e-3, "temperature": 1.0, "max_new_tokens": 48, "seed": 0}
 
@@ -188,6 +190,9 @@ def build(base: str, out: Path) -> dict:
         report[split] = {"completions": len(examples), "positive_share": round(sum(labels) / max(1, len(labels)), 4),
                          "accuracy": round(sum((s > 0) == bool(y) for s, y in zip(logits, labels)) / len(labels), 4),
                          "auc": round(auc(logits, labels) or float("nan"), 4)}
+    with open(out / HELDOUT, "w") as f:  # the held-out completions, for a judge's agreement on the same ones
+        for e in data["heldout"]:
+            f.write(json.dumps(e) + "\n")
     model.save_pretrained(str(out))
     tokenizer.padding_side = "right"
     tokenizer.save_pretrained(str(out))
