@@ -730,6 +730,7 @@ def learned_training(run: Path) -> dict:
     requests, failures and engine restarts, the learned reward and the verified accuracy (the correctness rule) in
     the first and last fifth of the steps, and whether the advisor named reward hacking."""
     from workbench.observe import advisor, rundata
+    from workbench.records import read_jsonl
 
     train = run / "train"
     rows = [r for r in read_jsonl(train / "metrics.jsonl") if "loss" in r]
@@ -741,7 +742,7 @@ def learned_training(run: Path) -> dict:
         return [mean(values[:fifth]), mean(values[-fifth:])]
 
     share = mean([r["time/reward"] / r["time/step"] for r in rows if r.get("time/step")])
-    findings = {f.rule for f in advisor.advise(rundata.load(run))}
+    findings = {f.rule for f in advisor.advise(rundata.load(train))}
     return {"reward_share": share, "requests": learned.get("requests"), "failed": learned.get("failed"),
             "restarts": learned.get("restarts"), "learned_reward": ends("rewards/preference/mean"),
             "verified": ends("rewards/correctness/mean"), "reward_hacking": "reward_hacking" in findings}
@@ -1094,7 +1095,9 @@ def rewards_section(r: dict | None, head) -> list[str]:
             "scored and logged at weight 0; the rule arm is the same recipe trained on the rule (weight 1) with the "
             "reward model scored and logged at weight 0. Both on one base model, each seed in both arms, scored on "
             "the test split by the rule. The learned reward and the verified accuracy (the rule on the training "
-            "completions) are the means of the first and last fifth of the steps.", "",
+            "completions) are the means of the first and last fifth of the steps. The advisor column is the "
+            "advisor's reading of each training's recorded files when the figures were recorded (its rule may be "
+            "newer than the code that trained).", "",
             "| arm | seed | test: base → trained | gain | learned reward (first → last fifth) | verified accuracy "
             "(first → last fifth) | reward share of the step | requests failed | advisor |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -1108,7 +1111,7 @@ def rewards_section(r: dict | None, head) -> list[str]:
                        f"{'reward hacking' if t['reward_hacking'] else '—'} |")
     out.append("")
     for arm in r["figures"]["arms"]:
-        out.append(f"- {names.get(arm['name'], arm['name'])}: {arm['headline']}")
+        out.append(f"- {names.get(arm['name'], arm['name'])}: {arm['headline'].split(': ', 1)[-1]}")
     p = r["figures"].get("paired")
     if p:
         out += ["", f"{paired_text('the reward model', p).replace('minus the recipe', 'minus the rule').replace('than the recipe', 'than the rule').replace('and the recipe', 'and the rule')}. "
