@@ -60,6 +60,11 @@ MODEL_RM = "rewards.preference={kind: model, model: tiny-rm, score: logit}"
     (["server.mode=attach", "server.url=http://10.0.0.5:8000", MODEL_RM],
      "rewards.preference's engine is managed, but the policy server is attached"),
     (["server.mode=off", MODEL_RM], "scored on the inference service, but server.mode is off"),
+    (["rewards.rm={kind: model, model: tiny-rm, score: logit, engine: {env: [1]}}"],
+     "rewards.rm.engine.env is [1] (list)"),
+    (["rewards.j={kind: judge, model: a/b, template: '{completion}', parser: 'regex:('}"],
+     "rewards.j.parser's pattern does not compile"),
+    (["rewards.rm={kind: model, model: tiny-rm, score: logit, weight: .nan}"], "rewards.rm has weight nan"),
 ])
 def test_bad_learned_rewards_are_refused_at_load(overrides, message):
     with pytest.raises(WorkbenchError, match=re.escape(message)):

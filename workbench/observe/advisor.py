@@ -284,6 +284,9 @@ def reward_hacking(records) -> Finding | None:
     verified = next((f"rewards/{n}/mean" for n in VERIFIED_REWARDS
                      if len(_series(records.metrics, f"rewards/{n}/mean")) >= 6), None)
     if verified is None:
+        if any(len(_series(records.metrics, f"rewards/{n}/mean")) for n in VERIFIED_REWARDS) or \
+                len(records.metrics) < 6:
+            return None  # logged, but too few points to read a trend; or too short a run to say
         return Finding("reward_unverified", "info", "A learned reward trains without a verified one beside it",
                        f"rewards {', '.join(learned)} are learned, and no rule reward "
                        f"({', '.join(VERIFIED_REWARDS)}) is logged", "add `correctness: 0.0` to the rewards: it is "

@@ -211,7 +211,7 @@ def model_path(recipe: Recipe) -> str:
     return recipe.model.path
 
 
-REWARD_MODEL_BUILD = 1  # bump when `workbench reward-model` builds the tiny reward model differently
+REWARD_MODEL_BUILD = 2  # 2: keeps heldout.jsonl. Bump when `workbench reward-model` builds the tiny reward model differently
 
 
 def tiny_reward_model_dir(recipe: Recipe, root: Path | None = None) -> Path:

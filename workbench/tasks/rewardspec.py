@@ -45,6 +45,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import re
 import os
 import sys
 import zlib
@@ -431,12 +432,22 @@ def _learned(name: str, value: dict) -> RewardSpec:
                              "a reward model is a sequence-classification checkpoint: name its directory or hub id")
     weight = value.get("weight", 1.0)
     _number(weight, f"{where}.weight", "set a number, e.g. weight: 0.5")
+    if not math.isfinite(weight):
+        raise WorkbenchError(f"{where} has weight {weight}", "set a finite weight")
     raw_engine = value.get("engine") or {}
     if not isinstance(raw_engine, dict):
         raise WorkbenchError(f"{where}.engine is {raw_engine!r}", "give a mapping, e.g. {port: 8010}")
     bad = sorted(set(raw_engine) - set(ENGINE_KEYS))
     if bad:
         raise WorkbenchError(f"{where}.engine has unknown key(s) {bad}", f"use only {', '.join(ENGINE_KEYS)}")
+    types = {"mode": str, "url": str, "api_key_env": str, "served_model_name": str, "dtype": str, "env": dict,
+             "port": int, "kv_cache_space_gib": int, "max_model_len": int, "max_restarts": int,
+             "startup_timeout_s": (int, float), "gpu_memory_utilization": (int, float)}
+    for key, given in raw_engine.items():
+        if given is not None and (isinstance(given, bool) or not isinstance(given, types[key])):
+            raise WorkbenchError(f"{where}.engine.{key} is {given!r} ({type(given).__name__})",
+                                 f"give {where}.engine.{key} a value of type "
+                                 f"{' or '.join(t.__name__ for t in (types[key] if isinstance(types[key], tuple) else (types[key],)))}")
     engine = EngineSpec(**raw_engine)
     _choice(engine.mode, ("managed", "attach"), f"{where}.engine.mode")
     if engine.mode == "attach" and not engine.url:
@@ -456,6 +467,8 @@ def _learned(name: str, value: dict) -> RewardSpec:
     spec = LearnedReward(name=name, kind=kind, model=model, engine=engine)
     spec.timeout_s = float(_number(value.get("timeout_s", spec.timeout_s), f"{where}.timeout_s",
                                    "give seconds, e.g. timeout_s: 30", low=0.0))
+    if not math.isfinite(spec.timeout_s):
+        raise WorkbenchError(f"{where}.timeout_s is {spec.timeout_s}", "give a bound in seconds, e.g. timeout_s: 60")
     spec.concurrency = _number(value.get("concurrency", spec.concurrency), f"{where}.concurrency",
                                "give a count, e.g. concurrency: 16", low=0, integer=True)
     spec.on_failure = _choice(value.get("on_failure", spec.on_failure), FAILURE_POLICIES, f"{where}.on_failure")
@@ -485,6 +498,11 @@ def _learned(name: str, value: dict) -> RewardSpec:
             raise WorkbenchError(f"{where}.parser is {parser!r}", "use number, yes_no, or regex:<pattern with one "
                                  "group that captures the number>")
         spec.parser = parser
+        try:
+            spec.pattern
+        except re.error as exc:
+            raise WorkbenchError(f"{where}.parser's pattern does not compile ({exc})",
+                                 "give a regular expression with one group, e.g. regex:Score: (\\d+)") from None
         if spec.pattern is not None and spec.pattern.groups != 1:
             raise WorkbenchError(f"{where}.parser's pattern has {spec.pattern.groups} groups",
                                  "give it exactly one group, the number: regex:Score: (\\d+)")

@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             from workbench.serving.rewards import engine_specs  # lazy: requests
             from workbench.training.recovery import RestartRequest
 
-            reward_restart = {s.name: RestartRequest(train_dir, s.learned.engine.startup_timeout_s
-                                                     or rr.recipe.server.startup_timeout_s + 60, reward=s.name)
+            reward_restart = {s.name: RestartRequest(train_dir, (s.learned.engine.startup_timeout_s
+                                                      or rr.recipe.server.startup_timeout_s) + 60, reward=s.name)
                               for s in engine_specs(rr) if s.learned.engine.managed}
         run_trainer(rr, train_dir, model_path, server_pid=server_pid, server_url=rr.server_url, restart=restart,
                     resume_from=Path(args.resume_from) if args.resume_from else None, reward_restart=reward_restart)
