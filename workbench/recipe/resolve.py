@@ -194,21 +194,30 @@ def model_dir(recipe: Recipe, root: Path | None = None) -> Path:
     return Path(root or paths.data_dir() / "tiny-model") / key
 
 
+def looks_like_hub_id(name: str) -> bool:
+    """org/name, not a path."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+def _located(given: str, key: str, options: str) -> str:
+    """A model directory (resolved, with its config.json) or a hub id, as `key` gave it; else one error."""
+    path = Path(given).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise WorkbenchError(f"{key} {path} has no config.json",
+                                 f"point {key} at a Hugging Face model directory (config.json, weights, tokenizer)")
+        return str(path.resolve())
+    if not looks_like_hub_id(given):
+        raise WorkbenchError(f"{key} {given} does not exist", f"set {key} to {options}")
+    return given
+
+
 def model_path(recipe: Recipe) -> str:
     """The directory or hub id the recipe's model lives at (the tiny model's cache directory when 'tiny')."""
     if recipe.model.path == "tiny":
         return str(model_dir(recipe))
-    path = Path(recipe.model.path).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise WorkbenchError(f"model.path {path} has no config.json",
-                                 "point model.path at a Hugging Face model directory (config.json, weights, tokenizer)")
-        return str(path.resolve())
-    looks_like_hub_id = recipe.model.path.count("/") == 1 and not recipe.model.path.startswith((".", "/", "~"))
-    if not looks_like_hub_id:
-        raise WorkbenchError(f"model.path {recipe.model.path} does not exist",
-                             "set model.path to an existing model directory, a hub id such as Qwen/Qwen2.5-0.5B, or 'tiny'")
-    return recipe.model.path
+    return _located(recipe.model.path, "model.path",
+                    "an existing model directory, a hub id such as Qwen/Qwen2.5-0.5B, or 'tiny'")
 
 
 REWARD_MODEL_BUILD = 2  # 2: keeps heldout.jsonl. Bump when `workbench reward-model` builds the tiny reward model differently
@@ -226,16 +235,7 @@ def reward_model_path(recipe: Recipe, learned) -> str:
         return str(tiny_reward_model_dir(recipe))
     if learned.model == "policy-base":
         return model_path(recipe)
-    path = Path(learned.model).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise WorkbenchError(f"rewards.{learned.name}.model {path} has no config.json",
-                                 "point it at a Hugging Face model directory (config.json, weights, tokenizer)")
-        return str(path.resolve())
-    if learned.model.count("/") != 1 or learned.model.startswith((".", "/", "~")):
-        raise WorkbenchError(f"rewards.{learned.name}.model {learned.model} does not exist",
-                             "give a model directory, a hub id (org/name), or tiny-rm")
-    return learned.model
+    return _located(learned.model, f"rewards.{learned.name}.model", "a model directory, a hub id (org/name), or tiny-rm")
 
 
 def _roles(recipe: Recipe, platform: str, sync: str) -> tuple[Role, Role]:

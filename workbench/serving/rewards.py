@@ -43,7 +43,7 @@ import requests
 
 from workbench.errors import WorkbenchError
 from workbench.recipe import Resolved
-from workbench.recipe.resolve import reward_model_path, server_url
+from workbench.recipe.resolve import looks_like_hub_id, reward_model_path, server_url
 from workbench.recipe.resolve import Role
 from workbench.records import append_event
 from workbench.tasks.rewards import RewardFailure, completion_text
@@ -115,7 +115,7 @@ class RewardEngines:
         try:
             for name, srv in self.servers.items():
                 if srv.recipe.server.managed and not Path(srv.model_path).is_dir() and \
-                        srv.model_path.count("/") != 1:
+                        not looks_like_hub_id(srv.model_path):
                     raise WorkbenchError(f"rewards.{name}: the reward model {srv.model_path} is not built",
                                          "build it first: workbench reward-model --recipe <the recipe>")
                 srv.start()
@@ -214,8 +214,9 @@ class Scorer:
         return parse_judgement(self.learned, out["choices"][0]["message"]["content"] or "")
 
     # -- a step's completions ----------------------------------------------------------------------------------
-    def _score_all(self, indices: list[int], prompts, completions, rows: list[dict], scores: list) -> dict[int, str]:
-        errors: dict[int, str] = {}
+    def _score_all(self, indices: list[int], prompts, completions, rows: list[dict], scores: list
+                   ) -> dict[int, Exception]:
+        errors: dict[int, Exception] = {}
 
         def one(i: int) -> None:
             try:
@@ -224,7 +225,7 @@ class Scorer:
                     raise ValueError(f"the score is {value}")
                 scores[i] = value
             except Exception as exc:  # every failure is one failed completion, counted by the caller
-                errors[i] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                errors[i] = exc
 
         workers = max(1, min(self.learned.concurrency, len(indices)))
         with ThreadPoolExecutor(workers, thread_name_prefix=f"reward-{self.spec.name}") as pool:
@@ -243,7 +244,8 @@ class Scorer:
         rows = [{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n} for i in range(n)]
         scores: list[float | None] = [None] * n
         errors = self._score_all(list(range(n)), prompts, completions, rows, scores)
-        unanswered = [i for i, e in errors.items() if not e.startswith(("ValueError", "JudgementError"))]
+        # answered, but not a score (a judge's unparsed answer, a non-finite value): no restart would change it
+        unanswered = [i for i, e in errors.items() if not isinstance(e, ValueError)]
         if unanswered and self.restart is not None and not self.healthy():
             # the engine is gone: a new one, and this step's unanswered requests once more
             self.restart()
@@ -253,7 +255,7 @@ class Scorer:
         if self.learned.kind == "model" and self.learned.normalize == "batch":
             scores = standardised(scores)
         self.failed_now = sorted(errors)
-        self.last_errors = [errors[i] for i in self.failed_now[:3]]
+        self.last_errors = [f"{type(errors[i]).__name__}: {str(errors[i])[:160]}" for i in self.failed_now[:3]]
         self.requests_total += n
         self.seconds += time.perf_counter() - started
         log_metric = columns.get("log_metric")
