@@ -715,8 +715,22 @@ def measure_reward_model(root: Path) -> tuple[str, float, dict]:
     if done.returncode != 0:
         raise SystemExit(f"measure: scripts/judge_agreement.py failed ({done.returncode}): {root / 'judge.log'}")
     figures["judge"] = json.loads(judge.read_text())
-    return (command_line(RM_COMMAND) + " && python scripts/judge_agreement.py", seconds + time.time() - started,
-            figures)
+    seconds += time.time() - started
+    # the bench's reward-model path against the server path, taking turns: what scoring the model costs per step
+    bench_line, bench_seconds, figures["bench"] = _bench(root, "reward-bench", "tiny", "server,reward-model")
+    figures["bench"]["reward_share"] = reward_share(only_dir(root / "reward-bench", "*"))
+    return (command_line(RM_COMMAND) + " && python scripts/judge_agreement.py && " + bench_line,
+            seconds + bench_seconds, figures)
+
+
+def reward_share(path: Path) -> list[float]:
+    """Each repeat of the bench's reward-model path: its time/reward over its step time."""
+    from workbench.experiments.bench import Bench
+    from workbench.rundir import RunDir
+
+    bench = Bench.load(RunDir.open(path).bench)
+    (size,) = {r.size for r in bench.results}
+    return [r.breakdown.get("time/reward", 0.0) / r.step_seconds for r in bench.repeats_of(size, "reward-model")]
 
 
 def measure_rewards(root: Path) -> tuple[str, float, dict]:
@@ -1034,6 +1048,14 @@ def results_page(results: dict[str, dict]) -> str:
                     f"AUC {auc_text} against the rule; {1000 * j['seconds_per_completion']:.1f} ms per completion "
                     f"at {j['concurrency']} requests in flight. The tiny base was never taught to grade: this is "
                     "what it does, not a good judge.", ""]
+        b = f.get("bench")
+        if b:
+            row, share = b["paths"]["reward-model"], b.get("reward_share") or []
+            out += [f"Its cost per step (`workbench bench --paths server,reward-model`, {b['repeats']} repeats of "
+                    f"{b['steps']} steps taking turns, the tiny policy): the reward-model path's step is "
+                    f"{row['ratio_to_server']:.2f} × the server path's (range {row['ratio_range'][0]:.2f}–"
+                    f"{row['ratio_range'][1]:.2f}); scoring the reward model is "
+                    f"{pct(statistics.median(share))} of its step (range {pct(min(share))}–{pct(max(share))}).", ""]
     else:
         out += ["Not measured yet: `python scripts/measure.py --only reward-model` (a few minutes on two cores).", ""]
     out += rewards_section(results.get("rewards"), head)

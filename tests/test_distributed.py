@@ -28,12 +28,18 @@ WORKBENCH = [str(VENV_BIN / "workbench")] if (VENV_BIN / "workbench").exists() e
 
 def _server_processes(port: int) -> set[int]:
     """API-server processes of the CPU launcher serving on `port` (other tests' servers and the engine core
-    children excluded)."""
+    children excluded). Only a group leader counts: the workbench starts each server in its own session, and a
+    child the server forks carries the server's command line until it sets its own title, which a 0.2 s poll
+    catches now and then (a third "server" in a CI run)."""
     found = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
         if "workbench.serving.vllm_cpu" in cmd and "serve" in cmd and str(port) in cmd:
-            found.add(p.info["pid"])
+            try:
+                if os.getpgid(p.info["pid"]) == p.info["pid"]:
+                    found.add(p.info["pid"])
+            except ProcessLookupError:
+                pass
     return found
 
 

@@ -104,10 +104,53 @@ def test_plan_shows_both_engines_on_the_server_cards_and_refuses_a_split_that_do
     assert re.search(r"reward engine 'preference' \(model: Skywork/Skywork-Reward-V2-Qwen3-0\.6B\): [\d.]+ GiB per "
                      r"device of 16\.0 GiB \(fits\)", text)
     assert "reward engine 'preference'" in _plan("cuda-2gpu-rm", []).text()
+    keyed = _plan("ascend-910b-8card-rm", ["server.api_key_env=WB_KEY"]).text().split("== memory")[0]
+    env = re.search(r"  reward engine 'preference' on devices .*\n(.*)\n", keyed).group(1)
+    assert "VLLM_API_KEY='$WB_KEY'" in env  # keyed like the policy server: the plan's lines start it as train does
     # 0.73 + 0.25 is under 1, but not with each engine's own context beside its share
     with pytest.raises(WorkbenchError, match=re.escape("the server cards do not hold both engines: shares 0.73 + 0.25 "
                                                        "of 64 GiB plus about 1 GiB per engine = 64.7 GiB")):
         _plan("ascend-910b-8card-rm", ["server.gpu_memory_utilization=0.73"])
+
+
+def test_a_reward_engine_that_could_not_start_is_refused_before_any_server(tmp_path):
+    """The training's preflight finds what would stop a reward engine, one line each, before a model is built or
+    the policy server starts: a reward model that is not there, tiny-rm on a model that is not tiny, a port taken."""
+    import socket
+
+    from workbench.recipe.load import RecipeProblems
+    from workbench.training.config import preflight
+
+    port = free_port()
+    rr = recipe.resolve(recipe.load("cpu-tiny-rm", [f"server.port={port}",
+                                                    f"rewards.preference.model={tmp_path / 'nowhere'}"]))
+    with pytest.raises(RecipeProblems, match=re.escape(f"rewards.preference.model {tmp_path / 'nowhere'} does not "
+                                                       "exist")):
+        preflight(rr)
+    engine = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", engine))
+        taken.listen()
+        with pytest.raises(RecipeProblems, match=rf"rewards\.preference: port {engine} on 127\.0\.0\.1 is already in "
+                                                 rf"use.*rewards\.preference\.engine\.port=<port>"):
+            preflight(recipe.resolve(recipe.load("cpu-tiny-rm", [f"server.port={port}",
+                                                                 f"rewards.preference.engine.port={engine}"])))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    rr = recipe.resolve(recipe.load("cpu-tiny-rm", [f"server.port={port}", f"model.path={model}"]))
+    with pytest.raises(RecipeProblems, match=r"rewards\.preference\.model is tiny-rm, which is built on the tiny "
+                                             r"base model"):
+        preflight(rr)
+
+
+def test_concurrent_protocol_trainings_with_their_own_reward_engines_are_refused():
+    from workbench.experiments.protocol import Candidate, concurrent_overrides
+
+    candidates = [Candidate("a", ["trainer.learning_rate=1e-5"]), Candidate("b", ["trainer.learning_rate=2e-5"])]
+    with pytest.raises(WorkbenchError, match=r"--concurrent 2: every training would start its own engine for "
+                                             r"rewards\.preference on the same port"):
+        concurrent_overrides("cpu-tiny-rm", candidates, ["peft.r=8"], 2)
 
 
 def test_recipe_show_says_each_rewards_kind_where_it_runs_and_its_memory():
@@ -143,11 +186,82 @@ def test_judge_answers_parse_as_documented():
 
 
 def test_a_failed_completion_drops_its_whole_group_across_ranks():
-    from workbench.training.trainer import unscored_groups
+    from workbench.training.scoring import unscored_groups
 
     # two ranks of 8 rows each, groups of 4: rank 0's row 5 (group 1), rank 1's rows 0 and 3 (group 2, once)
     assert unscored_groups([(0, [5], [1]), (8, [0, 3], [2])], 4) == [1, 2]
     assert unscored_groups([(0, [], [0])], 4) == []
+
+
+def test_two_ranks_drop_the_same_groups_and_normalise_over_the_gathered_batch():
+    """drop_unscored on two ranks at once (threads meeting in a gather, as accelerate's gather_object returns every
+    rank's list in rank order): each rank knows only its own failed rows, both drop the same groups, count the
+    same failures, and standardise a `normalize: batch` column over every rank's scored rows."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from workbench.training.scoring import drop_unscored
+
+    barrier, slots = threading.Barrier(2), [None, None]
+
+    def gather(rank):
+        def gather_object(items):
+            slots[rank] = items[0]
+            barrier.wait()
+            return list(slots)
+        return gather_object
+
+    torch.manual_seed(0)
+    gathered = torch.rand(16, 3) * 5 + 2  # 2 ranks x 8 rows, groups of 4; columns: rule, model (batch), judge
+    failed = {0: ([], [5]), 1: ([3], [0, 3])}  # rank: (the model's failed rows, the judge's), the rank's own indices
+    results = {}
+
+    def rank(r: int) -> None:
+        model = SimpleNamespace(failed_now=list(failed[r][0]), batch_normalised=True)
+        judge = SimpleNamespace(failed_now=list(failed[r][1]), batch_normalised=False)
+        rewards = gathered.clone()
+        groups, counts = drop_unscored(rewards, [(1, model), (2, judge)], rank=r, processes=2, size=4,
+                                       gather=gather(r))
+        results[r] = (groups, counts, rewards, model.failed_now + judge.failed_now)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    (g0, c0, r0, left0), (g1, c1, r1, left1) = results[0], results[1]
+    assert g0 == g1 == [1, 2] and c0 == c1 == [1, 3] and left0 == left1 == []
+    assert torch.equal(r0.nan_to_num(-1), r1.nan_to_num(-1))  # every rank trains the same batch
+    assert r0[4:12].isnan().all() and r0[:4].isfinite().all() and r0[12:].isfinite().all()
+    kept = torch.cat([r0[:4], r0[12:]])
+    assert float(kept[:, 1].mean()) == pytest.approx(0.0, abs=1e-5)  # over both ranks' kept rows, not one's share
+    assert float(kept[:, 1].std(unbiased=False)) == pytest.approx(1.0, abs=1e-4)
+    assert torch.equal(kept[:, [0, 2]], torch.cat([gathered[:4], gathered[12:]])[:, [0, 2]])  # others untouched
+
+
+def test_the_failure_counts_survive_a_resume(tmp_path):
+    """FailureLedger writes each learned reward's totals into the checkpoint transformers just saved, and a run
+    resumed from that checkpoint counts on from them (max_failures is the whole run's)."""
+    from types import SimpleNamespace
+
+    from workbench.rundir import LEARNED_REWARDS
+    from workbench.serving.rewards import Scorer
+    from workbench.training.scoring import FailureLedger
+
+    rr = recipe.resolve(recipe.load("cpu-tiny-rm"))
+    scorer = Scorer(rr, next(s for s in rr.task.reward_specs if s.is_learned))
+    scorer.requests_total, scorer.restarts, scorer.seconds = 96, 1, 3.25
+    scorer.account(5)
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    (tmp_path / "checkpoint-4").mkdir()
+    FailureLedger([scorer]).on_save(args, SimpleNamespace(global_step=4, is_world_process_zero=True), None)
+    assert (tmp_path / "checkpoint-4" / LEARNED_REWARDS).is_file()
+    again = Scorer(rr, scorer.spec)
+    FailureLedger([again]).on_train_begin(args, SimpleNamespace(global_step=4, is_world_process_zero=True), None)
+    assert again.totals() == {"requests": 96, "failed": 5, "restarts": 1, "seconds": 3.25}
+    fresh = Scorer(rr, scorer.spec)  # a step without that checkpoint's file: from zero
+    FailureLedger([fresh]).on_train_begin(args, SimpleNamespace(global_step=8, is_world_process_zero=True), None)
+    assert fresh.totals()["failed"] == 0
 
 
 def test_the_reward_models_auc_counts_pairs():
@@ -243,25 +357,31 @@ def _batch(server_rr, n: int = 4):
 @pytest.mark.heavy
 def test_judge_answers_that_do_not_parse_are_counted_and_drop_their_groups(tiny_server, server_rr):
     from workbench.serving.rewards import JudgementError, parse_judgement
-    from workbench.training.trainer import unscored_groups
+    from workbench.training.scoring import unscored_groups
 
     scorer = _judge(tiny_server, server_rr, parser="yes_no", on_failure="drop_group", max_failures=12)
     prompts, completions, answers = _batch(server_rr)
-    logged = {}
-    scores = scorer(prompts, completions, answer=answers, log_metric=lambda k, v: logged.setdefault(k, v))
-    # the judge's own answers, asked the same way: those without a yes/no are the failures, none scored zero
+    seen, post = {}, scorer._post
+
+    def recorded(path, body):  # the judge's own answers to the scorer's own requests (batched as they were sent)
+        out = post(path, body)
+        seen[body["messages"][-1]["content"]] = out["choices"][0]["message"]["content"] or ""
+        return out
+
+    scorer._post = recorded
+    scores = scorer(prompts, completions, answer=answers)
+    # those without a yes/no are the failures, none scored zero
     expected = []
     for i, (p, c) in enumerate(zip(prompts, completions)):
         text = scorer.learned.template.format(question=p[-1]["content"], completion=c[-1]["content"], answer=answers[i])
-        answer = tiny_server.chat(text, max_tokens=scorer.learned.max_tokens)["choices"][0]["message"]["content"]
         try:
-            parse_judgement(scorer.learned, answer)
+            parse_judgement(scorer.learned, seen[text])
         except JudgementError:
             expected.append(i)
     assert expected, "the tiny base never says yes or no: every answer here should fail to parse"
     assert scorer.failed_now == expected
     assert all(scores[i] is None for i in expected)
-    assert logged == {"reward/grader/failed": float(len(expected))}
+    assert all(isinstance(scores[i], float) for i in range(len(scores)) if i not in expected)
     assert scorer.last_errors[0].startswith("JudgementError: no yes/no in")
     groups = unscored_groups([(0, scorer.failed_now, [len(expected)])], 2)
     assert groups == sorted({i // 2 for i in expected})

@@ -310,8 +310,10 @@ def _reward_engines(rr: Resolved) -> list[dict]:
         if not spec.learned.engine.managed:
             continue
         err = engine_resolved(rr, spec)
-        out.append({"role": f"reward engine {spec.name!r}", "devices": list(err.server.devices),
-                    "env": {k: v for k, v in err.server.env.items()},
+        env = dict(err.server.env)
+        if err.api_key or err.recipe.server.api_key_env:  # the engine is keyed with the policy server's key
+            env["VLLM_API_KEY"] = f"${err.recipe.server.api_key_env}"
+        out.append({"role": f"reward engine {spec.name!r}", "devices": list(err.server.devices), "env": env,
                     "command": " ".join(serving_launch.command(err, err.model_path))
                     + "   # started by `workbench train` beside the server, stopped with it"})
     return out

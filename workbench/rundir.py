@@ -53,7 +53,13 @@ WEIGHTS = "model.safetensors"  # what a Hugging Face save writes (a run's final/
 # what peft's save writes for a LoRA run's final/ (and what the adapter sync hands the server): the adapter alone
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+LEARNED_REWARDS = "learned-rewards.json"  # in a checkpoint: each learned reward's totals, for a resume to count on
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def checkpoint_path(output_dir: Path | str, step: int) -> Path:
+    """transformers' folder for step `step`'s checkpoint under a trainer's output_dir (TrainDir.checkpoints)."""
+    return Path(output_dir) / f"checkpoint-{step}"
 
 
 def write_atomic(path: Path | str, text: str | bytes) -> Path:

@@ -310,6 +310,17 @@ def concurrent_overrides(recipe_name: str, candidates: list[Candidate], common: 
                              f"{', '.join(map(repr, full))} pushes full weights, which would overwrite the others'",
                              "give the recipe a peft: section (each training then pushes its own adapter), or drop "
                              "--concurrent")
+    if concurrent > 1:
+        from workbench.tasks.rewardspec import parse  # lazy: the rewards' own imports
+
+        engines = sorted({s.name for r in loaded for s in parse(r.rewards)
+                          if s.is_learned and s.learned.engine.managed and not s.learned.on_policy_server})
+        if engines:
+            raise WorkbenchError(f"--concurrent {concurrent}: every training would start its own engine for "
+                                 f"{', '.join(f'rewards.{n}' for n in engines)} on the same port beside the shared "
+                                 "server, and they would clash",
+                                 "serve the reward model once and attach the trainings to it (engine.mode: attach, "
+                                 "engine.url), or drop --concurrent")
     if not any(adapters):
         return []
     rank = max(r.lora_rank for r, a in zip(loaded, adapters) if a)

@@ -21,8 +21,8 @@ pushed to it). `engine.mode: attach` uses one someone else serves (verified, key
 
 A step's requests go out together (`concurrency` in flight; vLLM batches them in its engine). A request that fails
 (refused, reset, an HTTP error, past `timeout_s`) or a judge answer that does not parse is a failed completion:
-scored None, counted (`reward/<name>/failed` per step, `failed_total`), and never a silent zero. The trainer then
-drops the failed completions' groups (no advantage; workbench/training/trainer.py) or stops the run, as
+scored None and never a silent zero. The trainer then counts them over every rank (`reward/<name>/failed`),
+drops the failed completions' groups (no advantage; workbench/training/scoring.py) or stops the run, as
 `on_failure` and `max_failures` say (`Scorer.account`). An engine that stops answering /health is restarted (up to
 `engine.max_restarts`) and the step's failed requests are sent once more.
 """
@@ -94,6 +94,34 @@ def engine_resolved(rr: Resolved, spec: RewardSpec) -> Resolved:
     return dataclasses.replace(rr, recipe=recipe, source=None, model_path=model,
                                weight_sync="none", server_url=server_url(recipe), api_key=key,
                                server=Role(f"reward:{spec.name}", rr.server.devices, env))
+
+
+def engine_problems(rr: Resolved) -> list[WorkbenchError]:
+    """What would stop a reward engine from starting, found before any model build or server start (the training's
+    preflight): the model's location (tiny-rm only on the tiny base; a directory that exists, or a hub id) and a
+    managed engine's port free and its exposure allowed. Every problem, one line each."""
+    from workbench.serving import launch
+
+    problems: list[WorkbenchError] = []
+    for spec in engine_specs(rr):
+        where = f"rewards.{spec.name}"
+        try:
+            if spec.learned.model == "tiny-rm" and not rr.is_tiny:
+                raise WorkbenchError(f"{where}.model is tiny-rm, which is built on the tiny base model, and this "
+                                     "recipe's model is not tiny",
+                                     f"set {where}.model to a reward model of your own (a directory or hub id)")
+            err = engine_resolved(rr, spec)  # a directory that is not there, or not a model, is refused here
+            if err.recipe.server.managed:
+                launch.check_exposure(err)
+                try:
+                    launch.check_port_free(err.recipe.server.host, err.recipe.server.port)
+                except WorkbenchError as exc:
+                    raise WorkbenchError(exc.cause, f"stop that process, or give the engine a free port with "
+                                                    f"{where}.engine.port=<port>") from None
+        except WorkbenchError as exc:
+            problems.append(WorkbenchError(exc.cause if exc.cause.startswith(where) else f"{where}: {exc.cause}",
+                                           exc.fix))
+    return problems
 
 
 class RewardEngines:
@@ -252,16 +280,30 @@ class Scorer:
             self.restarts += 1
             retried = self._score_all(unanswered, prompts, completions, rows, scores)
             errors = {i: e for i, e in errors.items() if i not in unanswered} | retried
-        if self.learned.kind == "model" and self.learned.normalize == "batch":
-            scores = standardised(scores)
         self.failed_now = sorted(errors)
         self.last_errors = [f"{type(errors[i]).__name__}: {str(errors[i])[:160]}" for i in self.failed_now[:3]]
         self.requests_total += n
         self.seconds += time.perf_counter() - started
-        log_metric = columns.get("log_metric")
-        if callable(log_metric):
-            log_metric(f"reward/{self.spec.name}/failed", float(len(errors)))
+        # the model's own values: `normalize: batch` and the failure counts are the trainer's, over every rank's
+        # gathered batch (training/scoring.py), not one rank's share of it
         return scores
+
+    @property
+    def batch_normalised(self) -> bool:
+        return self.learned.kind == "model" and self.learned.normalize == "batch"
+
+    def totals(self) -> dict:
+        """This reward's run so far: requests sent (this process), completions failed (every rank), engine
+        restarts, seconds spent scoring (this process)."""
+        return {"requests": self.requests_total, "failed": self.failed_total, "restarts": self.restarts,
+                "seconds": round(self.seconds, 2)}
+
+    def restore(self, totals: dict) -> None:
+        """The totals a checkpoint saved (training/scoring.FailureLedger): a resumed run counts on from them."""
+        self.requests_total = int(totals.get("requests", 0))
+        self.failed_total = int(totals.get("failed", 0))
+        self.restarts = int(totals.get("restarts", 0))
+        self.seconds = float(totals.get("seconds", 0.0))
 
     def account(self, failed: int) -> None:
         """A step's failed completions over every rank, against the recipe's policy: the run stops with the cause
@@ -319,15 +361,6 @@ def parse_judgement(learned: LearnedReward, answer: str) -> float:
             raise JudgementError(f"{value:g} is outside the scale [{low:g}, {high:g}] in {text[:60]!r}")
         value = (value - low) / (high - low)
     return value
-
-
-def standardised(scores: list[float | None]) -> list[float | None]:
-    present = [s for s in scores if s is not None]
-    if len(present) < 2:
-        return scores
-    mean = sum(present) / len(present)
-    std = math.sqrt(sum((s - mean) ** 2 for s in present) / len(present))
-    return [None if s is None else (s - mean) / (std + 1e-6) for s in scores]
 
 
 def describe(rr: Resolved) -> list[str]:

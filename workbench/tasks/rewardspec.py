@@ -360,7 +360,7 @@ class LearnedReward:
     model: str  # a directory, a hub id, tiny-rm, or (judge) policy-base
     engine: EngineSpec
     score: str = "logit"  # model: logit | probability
-    normalize: str = "none"  # model: none | batch (standardised over each scored batch)
+    normalize: str = "none"  # model: none | batch (standardised over the gathered batch, every rank's completions)
     template: str = ""  # judge: the grading prompt
     parser: str = "number"  # judge: number | yes_no | regex:<pattern>
     scale: tuple[float, float] | None = None  # judge: the parsed number's range, mapped to 0..1

@@ -151,5 +151,9 @@ def preflight(rr: Resolved) -> None:
                 check()
             except WorkbenchError as exc:
                 problems.append(exc)
+    if rr.recipe.distributed.node_rank == 0:  # the reward engines run beside node 0's server
+        from workbench.serving.rewards import engine_problems  # lazy: requests
+
+        problems += engine_problems(rr)
     if problems:
         raise RecipeProblems(problems, rr.recipe.name)

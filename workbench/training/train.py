@@ -49,6 +49,7 @@ from workbench.training.config import preflight
 from workbench.training.gauge import training_cores
 from workbench.training.monitor import Monitor
 from workbench.training.recovery import Recovery, ServerLost, serve_restart_requests
+from workbench.training.scoring import FailureLedger
 
 
 @dataclass
@@ -252,11 +253,11 @@ def run_trainer(rr: Resolved, train_dir: TrainDir, model_path: str, server_pid: 
 
 
 def learned_record(trainer) -> dict:
-    """What each learned reward cost and lost in this training (the main rank's Scorers)."""
+    """What each learned reward cost and lost in this training, a resume's earlier part included (the main rank's
+    Scorers: its requests and seconds, every rank's failed completions)."""
     from workbench.serving.rewards import Scorer
 
-    return {f.__name__: {"requests": f.requests_total, "failed": f.failed_total, "restarts": f.restarts,
-                         "seconds": round(f.seconds, 2)} for f in trainer.reward_funcs if isinstance(f, Scorer)}
+    return {f.__name__: f.totals() for f in trainer.reward_funcs if isinstance(f, Scorer)}
 
 
 def _adapter_record(rr: Resolved, weight_sync, train_dir: TrainDir) -> dict | None:
@@ -278,6 +279,9 @@ def _stopped_with_checkpoint(trainer, train_dir: TrainDir, exc, several: bool, l
     else:
         try:
             trainer._save_checkpoint(trainer.model, trial=None)  # model, optimizer, scheduler, RNG, data position
+            for callback in trainer.callback_handler.callbacks:  # what transformers' on_save adds to a checkpoint
+                if isinstance(callback, FailureLedger):
+                    callback.on_save(trainer.args, trainer.state, trainer.control)
             saved = f"checkpoint-{step} saved"
         except Exception as save_error:  # the original cause matters more
             saved = f"no checkpoint ({type(save_error).__name__}: {save_error})"

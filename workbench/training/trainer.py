@@ -45,6 +45,7 @@ from workbench.training.gauge import Gauge
 from workbench.training.groups import GroupRecorder, group_signal
 from workbench.training.overlap import Ahead
 from workbench.training.recovery import Recovery
+from workbench.training.scoring import FailureLedger, drop_unscored
 from workbench.training.seeding import prompt_seeds
 
 
@@ -287,6 +288,7 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         self._refilling = False  # inside a dynamic-sampling refill: its generation and scoring are not the batch's
         self._inputs_now: list[dict] | None = None  # the generation batch's rows, while TRL generates for them
         self._kept_rewards = None  # the refilled batch's rewards (gathered), for TRL's scoring of it
+        self._unscored_now: dict[str, float] = {}  # the generation batch's learned-reward failures (scoring.py)
         self.refill_prompts = 0  # extra prompts dynamic sampling generated (every rank counts the same)
         self._batch_completion_ids: list[list[int]] = []
         wants_server = training_args.use_vllm and training_args.vllm_mode == "server"
@@ -500,10 +502,14 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         self._inputs_now = inputs
+        self._unscored_now = {}
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._inputs_now = self._kept_rewards = None
+        mode = "train" if self.model.training else "eval"
+        for key, value in self._unscored_now.items():  # the learned rewards' failures over every rank, this batch
+            self._metrics[mode][key].append(float(value))
         if self.groups is not None and self.model.training:
             try:
                 self.groups.record(self, self._batch_completion_ids)
@@ -532,31 +538,26 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
         return rewards
 
     def _drop_unscored(self, rewards):
-        """Completions a learned reward could not score (serving/rewards.Scorer.failed_now, every rank's): their
-        groups get no reward from any function (NaN rows, which TRL 1.16 gives no advantage and leaves out of the
-        baselines and means), so a failure trains nothing instead of a silent zero. Counted, and each reward's
-        failure policy applied on the same gathered counts on every rank (all stop together)."""
-        import math
-
-        scorers = [f for f in self.reward_funcs if isinstance(f, Scorer)]
+        """Completions a learned reward could not score (every rank's): their groups dropped, `normalize: batch`
+        applied over the gathered batch, the counts kept for the step's metrics, and each reward's failure policy
+        applied on the same gathered counts on every rank (all stop together). training/scoring.py."""
+        scorers = [(j, f) for j, f in enumerate(self.reward_funcs) if isinstance(f, Scorer)]
         if not scorers:
             return rewards
         from accelerate.utils import gather_object
 
-        local = rewards.shape[0] // self.accelerator.num_processes
-        offset = self.accelerator.process_index * local
-        mine = (offset, sorted({i for s in scorers for i in s.failed_now}), [len(s.failed_now) for s in scorers])
-        for scorer in scorers:
-            scorer.failed_now = []
-        everyone = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
-        size = self.num_generations if self.model.training else self.num_generations_eval
-        groups = unscored_groups(everyone, size)
-        for g in groups:
-            rewards[g * size:(g + 1) * size] = math.nan
-        if self.model.training and not self._refilling:
-            self._metrics["train"]["reward/dropped_groups"].append(float(len(groups)))
-        for k, scorer in enumerate(scorers):
-            scorer.account(sum(counts[k] for _, _, counts in everyone))
+        groups, failed = drop_unscored(
+            rewards, scorers, rank=self.accelerator.process_index, processes=self.accelerator.num_processes,
+            size=self.num_generations if self.model.training else self.num_generations_eval, gather=gather_object)
+        # summed over the generation batch's scorings (dynamic sampling's first look and refills included) and
+        # logged once for it in _generate_and_score_completions
+        counts = self._unscored_now
+        counts["reward/dropped_groups"] = counts.get("reward/dropped_groups", 0.0) + len(groups)
+        for (_, scorer), n in zip(scorers, failed):
+            key = f"reward/{scorer.spec.name}/failed"
+            counts[key] = counts.get(key, 0.0) + n
+        for (_, scorer), n in zip(scorers, failed):
+            scorer.account(n)
         return rewards
 
     def _step_breakdown(self, pushes: list[tuple[float, int]]) -> dict[str, float]:
@@ -654,12 +655,6 @@ class WorkbenchGRPOTrainer(GRPOTrainer):
             client.recovery = recovery
 
 
-def unscored_groups(ranks: list[tuple[int, list[int], list[int]]], size: int) -> list[int]:
-    """The groups (of `size` completions, in the gathered batch's order) holding a completion some learned reward
-    could not score; `ranks`: each rank's (offset of its rows in the gathered batch, its failed row indices, ...)."""
-    return sorted({(offset + i) // size for offset, failed, _ in ranks for i in failed})
-
-
 class _TrainBegin(TrainerCallback):
     """on_train_begin runs after the model is prepared and a resume's checkpoint loaded, before the first step."""
 
@@ -716,6 +711,9 @@ def build_trainer(rr: Resolved, model_path: str, output_dir: Path, weight_sync: 
                                      # _internal_call: a best step is not pushed to the Hub (push_to_hub)
                                      save=lambda path: trainer.save_model(str(path), _internal_call=True))
         trainer.curve = trainer.vllm_generation.curve = curve
+    learned = [f for f in trainer.reward_funcs if isinstance(f, Scorer)]
+    if learned:  # max_failures and train.json's totals count the whole run across a resume
+        trainer.add_callback(FailureLedger(learned))
     if train_dir is not None:  # completions generated at once: every rank's batch of one generation
         trainer.gauge = Gauge.for_recipe(rr, train_dir, model, in_flight=int(args.generation_batch_size))
     return trainer
