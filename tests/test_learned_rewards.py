@@ -447,7 +447,7 @@ def learned_run(tmp_path_factory, tiny_rm_dir):
     args = ["train", "--recipe", str(path), f"server.port={free_port()}", f"monitor.runs_dir={runs}",
             "peft.r=8", "peft.lora_alpha=16", "peft.target_modules=all-linear", "trainer.max_steps=4",
             "trainer.logging_steps=1", "trainer.per_device_train_batch_size=8", "trainer.num_generations=4",
-            "trainer.save_steps=100", "trainer.warmup_steps=0", "data.train_size=64", "monitor.canary_every=0",
+            "trainer.save_steps=2", "trainer.warmup_steps=0", "data.train_size=64", "monitor.canary_every=0",
             "monitor.drift_every=0"]
     log = runs / "train.log"
     with open(log, "w") as out:
@@ -495,6 +495,10 @@ def test_training_with_a_reward_model_and_a_judge_survives_the_reward_engines_de
     assert learned["preference"]["requests"] == 4 * 8
     assert learned["grader"]["restarts"] == 0 and learned["grader"]["requests"] == 4 * 8
     assert learned["grader"]["failed"] == sum(r["reward/grader/failed"] for r in metrics) < 16
+    # each checkpoint keeps the totals so far, for a resume to count on from (training/scoring.FailureLedger)
+    ledger = json.loads((train / "checkpoints" / "checkpoint-2" / "learned-rewards.json").read_text())
+    assert ledger["grader"]["requests"] == ledger["preference"]["requests"] == 2 * 8
+    assert ledger["grader"]["failed"] == sum(r["reward/grader/failed"] for r in metrics if r["step"] <= 2)
     events = [e for e in read_jsonl(train / "events.jsonl") if e.get("kind") == "reward_engine_restart"]
     assert len(events) == 1 and events[0]["reward"] == "preference"
     # the old engine's log kept beside the new one's; nothing of either left running
