@@ -103,6 +103,7 @@ CASES: list[tuple[list[str], str]] = [
      "only a LoRA run keeps"),
     (TRAIN + ["rewards.j={kind: judge, model: a/b, template: '{completion} {level}'}"],
      "rewards.j.template asks for {level}"),
+    (TRAIN + ["rewards.rm={kind: model, model: {tmp}/no-rm, score: logit}"], "no-rm does not exist; fix: set rewards.rm.model to"),
     (["plan", "--recipe", "ascend-910b-8card-rm", "server.gpu_memory_utilization=0.8"],
      "the server cards' memory is over-committed"),
     (TRAIN + ["model.path={tmp}/no-model"], "does not exist"),
