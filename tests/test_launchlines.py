@@ -36,8 +36,13 @@ IP = """#!/bin/bash
 case "$SLURMD_NODENAME" in nodeA) n=11;; nodeB) n=12;; nodeC) n=13;; esac
 echo "2: $SHARED_IFACE    inet 192.0.2.$n/24 brd 192.0.2.255 scope global $SHARED_IFACE"
 """
+# /health answers once the server's process runs (it writes server.pid after its record), waiting as long as
+# --max-time 5 would; a server on another machine (SERVER_ELSEWHERE) is taken as up already
 CURL = """#!/bin/bash
 echo "${@: -1}" >> "$LOG_DIR/curl"
+[ -n "${SERVER_ELSEWHERE:-}" ] && exit 0
+for _ in $(seq 50); do [ -f "$LOG_DIR/server.pid" ] && exit 0; sleep 0.1; done
+exit 28
 """
 WORKBENCH = f"""#!{sys.executable}
 import json, os, sys
@@ -110,7 +115,7 @@ def test_the_slurm_script_runs_what_the_plan_prints_on_each_node_with_the_alloca
     late = ["server.url=http://192.0.2.11:8101", "distributed.main_address=192.0.2.12"]
     server, trainer = plan_starts(capsys, "ascend-910b-2node", overrides + late)
     assert server[:3] == ["workbench", "serve", "--for-training"] and trainer[:2] == ["workbench", "train"]
-    # the server's node starts in the background and the fake curl answers at once: the two may log in either order
+    # the server's node starts in the background; the training starts once it answers: sorted by node
     assert sorted(recorded(logs), key=lambda r: r["node"]) == [{"node": "nodeA", "argv": server},
                                                                {"node": "nodeB", "argv": trainer}]
     assert (logs / "curl").read_text().split() == ["http://192.0.2.11:8101/health"]  # waited for the server
@@ -150,7 +155,7 @@ def test_the_shell_script_runs_the_plans_start_line_on_the_node_named(cluster, c
     text = emitted(capsys, "shell", "ascend-910b-2node", overrides)
     assert "192.168.7.1" in text and "192.168.7.2" in text and "10.0.0." not in text
     server, trainer = plan_starts(capsys, "ascend-910b-2node", overrides)
-    result = run_script(text, tmp_path, env, "0")
+    result = run_script(text, tmp_path, {**env, "SERVER_ELSEWHERE": "1"}, "0")
     assert result.returncode == 0, result.stderr
     assert recorded(logs) == [{"node": None, "argv": trainer}]
     assert (logs / "curl").read_text().split() == ["http://192.168.7.1:8101/health"]
