@@ -47,7 +47,17 @@ _BESIDE_OTHERS = False  # a pytest-xdist worker with siblings: /dev/shm is the c
 GRACE_S = float(os.environ.get("WORKBENCH_LEAK_GRACE_S", "15"))
 # Long-lived helpers that a library starts once in the pytest process itself and that end with it: not a test's leak.
 BENIGN = ("multiprocessing.resource_tracker", "torch._inductor.compile_worker")
-VLLM_MARKS = ("vllm", "VLLM::")
+
+def is_vllm(argv: list[str]) -> bool:
+    """Whether a command line is a vLLM process: the `vllm` program, a vLLM module run with -m (ours on the CPU
+    included), or a process vLLM has retitled (VLLM::EngineCore). Not a word in an argument: a stand-in given
+    `trainer.vllm_group_port=...` is not a server."""
+    for token in argv:
+        if "VLLM::" in token or os.path.basename(token) == "vllm":
+            return True
+        if token.startswith("vllm.") or token == "workbench.serving.vllm_cpu":
+            return True
+    return False
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -457,10 +467,11 @@ class _VllmWatch:
                 try:
                     if p.status() == psutil.STATUS_ZOMBIE:
                         continue
-                    command = " ".join(p.cmdline()) or p.name()
+                    argv = p.cmdline() or [p.name()]
                 except psutil.Error:
                     continue
-                if any(m in command for m in VLLM_MARKS) and command not in self.seen:
+                command = " ".join(argv)
+                if is_vllm(argv) and command not in self.seen:
                     self.seen.append(command)
 
     def stop(self) -> list[str]:

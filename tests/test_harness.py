@@ -175,3 +175,21 @@ def test_beside_other_workers_the_controller_fails_the_session_for_a_file(tmp_pa
 
     figures = script("measure").suite_figures(tmp_path / "suite.xml")
     assert figures["workers"] == 2 and figures["exit_status"] == 1, figures
+
+
+def test_the_vllm_watch_knows_a_server_from_a_word_in_an_argument():
+    """What the watch that fails an unmarked test for starting vLLM counts: the workbench's own server command lines
+    (launch.command, on the CPU and on a GPU), a process vLLM retitled, `python -m vllm...`; not a stand-in whose
+    arguments merely name a vllm setting (tests/test_launchlines.py)."""
+    from harness import is_vllm
+    from workbench import recipe
+    from workbench.serving import launch
+
+    for platform in ("cpu", "cuda"):
+        rr = recipe.resolve(recipe.load("cpu-tiny", []), platform=platform)
+        assert is_vllm(launch.command(rr, "/models/tiny")), platform
+    assert is_vllm(["VLLM::EngineCore"]) and is_vllm([sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
+    assert is_vllm(["/opt/venv/bin/vllm", "serve", "m"])
+    assert not is_vllm([sys.executable, "/tmp/venv/bin/workbench", "serve", "--for-training",
+                        "trainer.vllm_group_port=51300", "server.url=http://192.0.2.11:8101"])
+    assert not is_vllm(["bash", "-c", "exec \"$@\"", "_", "workbench", "train", "trainer.vllm_group_port=51300"])
