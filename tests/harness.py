@@ -48,16 +48,13 @@ GRACE_S = float(os.environ.get("WORKBENCH_LEAK_GRACE_S", "15"))
 # Long-lived helpers that a library starts once in the pytest process itself and that end with it: not a test's leak.
 BENIGN = ("multiprocessing.resource_tracker", "torch._inductor.compile_worker")
 
+
 def is_vllm(argv: list[str]) -> bool:
     """Whether a command line is a vLLM process: the `vllm` program, a vLLM module run with -m (ours on the CPU
     included), or a process vLLM has retitled (VLLM::EngineCore). Not a word in an argument: a stand-in given
     `trainer.vllm_group_port=...` is not a server."""
-    for token in argv:
-        if "VLLM::" in token or os.path.basename(token) == "vllm":
-            return True
-        if token.startswith("vllm.") or token == "workbench.serving.vllm_cpu":
-            return True
-    return False
+    return any("VLLM::" in token or os.path.basename(token) == "vllm" or token.startswith("vllm.")
+               or token == "workbench.serving.vllm_cpu" for token in argv)
 
 
 # ----------------------------------------------------------------------------------------------------------------

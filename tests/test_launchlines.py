@@ -150,8 +150,7 @@ def test_the_slurm_script_gives_each_training_node_its_rank(cluster, capsys, tmp
 
 def test_the_shell_script_runs_the_plans_start_line_on_the_node_named(cluster, capsys, tmp_path):
     env, logs = cluster
-    # (no trainer.vllm_group_port here: the suite's harness takes a long-lived process naming "vllm" for a server)
-    overrides = ["server.url=http://192.168.7.1:8101", "distributed.main_address=192.168.7.2", *IFACE, *PORTS[:2]]
+    overrides = ["server.url=http://192.168.7.1:8101", "distributed.main_address=192.168.7.2", *IFACE, *PORTS]
     text = emitted(capsys, "shell", "ascend-910b-2node", overrides)
     assert "192.168.7.1" in text and "192.168.7.2" in text and "10.0.0." not in text
     server, trainer = plan_starts(capsys, "ascend-910b-2node", overrides)
